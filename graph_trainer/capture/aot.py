@@ -1,0 +1,1 @@
+"""aot mode (filled in by its own module's author)."""

@@ -1,0 +1,24 @@
+"""Eager mode: the model runs op by op and autograd fills `param.grad` (the reference for parity)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import CaptureContext, register_capture
+
+
+class EagerStep:
+    def __init__(self, ctx: CaptureContext):
+        self.ctx = ctx
+
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self.ctx.loss_fn(self.ctx.model(inputs), labels)
+        if self.ctx.loss_scale != 1.0:
+            loss = loss * self.ctx.loss_scale
+        loss.backward()
+        return loss.detach()
+
+
+@register_capture("eager")
+def capture_eager(ctx: CaptureContext) -> EagerStep:
+    return EagerStep(ctx)

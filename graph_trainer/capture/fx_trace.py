@@ -1,0 +1,147 @@
+"""aot_fx_trace: forward + loss + backward traced by `make_fx` into ONE train-step FX graph.
+
+The graph's inputs are the local parameter shards, the buffers and the batch; its outputs are the
+loss and one gradient shard per parameter. It is traced once on fake tensors (no memory, no compute),
+handed to the configured backend, and run every step. The optimizer stays outside. A batch of another
+shape retraces (counted in `stats["retraces"]`) instead of reusing a graph specialised to old shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graph_trainer.backends import get_backend
+
+from ..graph_dump import GraphDumper
+from ..passes.registry import PassContext
+from ..train_step import FunctionalTrainStep, ParamSpec, accumulate_grads, named_buffers
+from . import CaptureContext, register_capture
+
+
+class TraceError(RuntimeError):
+    """The step cannot be traced into one graph; the message names the module and the op."""
+
+
+@contextlib.contextmanager
+def _module_stack(model: nn.Module) -> Iterator[list[str]]:
+    """Track which module is running, so a trace failure can name it."""
+    stack: list[str] = []
+    names = {m: n for n, m in model.named_modules()}
+    handles = []
+    for module in names:
+        handles.append(module.register_forward_pre_hook(lambda m, a: stack.append(names[m] or "<root>")))
+        handles.append(module.register_forward_hook(lambda m, a, o: stack.pop() and None))
+    try:
+        yield stack
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _fake_like(mode: FakeTensorMode, t: torch.Tensor, device: torch.device, requires_grad: bool) -> torch.Tensor:
+    with mode:
+        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return fake.requires_grad_(requires_grad)
+
+
+def trace_train_step(
+    step: FunctionalTrainStep,
+    params: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    device: torch.device,
+) -> fx.GraphModule:
+    """Trace `step` on fake copies of the given tensors (only shapes, dtypes and strides are read,
+    so meta tensors work too) into a flat graph: (*params, *buffers, inputs, labels) -> (loss, *grads)."""
+    n_params, n_buffers = len(params), len(buffers)
+
+    def flat_step(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        loss, grads = step(args[:n_params], args[n_params : n_params + n_buffers], args[-2], args[-1])
+        return (loss, *grads)
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_args = [_fake_like(mode, p, device, True) for p in params]
+    fake_args += [_fake_like(mode, b, device, False) for b in buffers]
+    fake_args += [_fake_like(mode, inputs, device, False), _fake_like(mode, labels, device, False)]
+    with _module_stack(step.model) as stack:
+        try:
+            with mode:
+                return make_fx(flat_step, tracing_mode="real")(*fake_args)
+        except Exception as e:  # noqa: BLE001  (any trace failure becomes one actionable error)
+            where = stack[-1] if stack else "the loss or backward"
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TraceError(
+                f"cannot trace the train step into one graph: module {where!r} failed at "
+                f"{type(e).__name__}: {first_line}; use --compile.mode eager or jit for this model"
+            ) from e
+
+
+class TracedStep:
+    """Runs the backend's compiled train-step graph and puts its gradient shards into `param.grad`."""
+
+    def __init__(self, ctx: CaptureContext):
+        self.ctx = ctx
+        self.fn = FunctionalTrainStep(ctx.model, ctx.loss_fn, ctx.loss_scale)
+        self.params = [p for p in ctx.model.parameters() if p.requires_grad]
+        _, self.buffers = named_buffers(ctx.model)
+        self.compiled: Callable[..., Any] | None = None
+        self.signature: tuple | None = None
+        ctx.stats.setdefault("retraces", 0)
+
+    def _build(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        cfg = self.ctx.cfg
+        first = self.compiled is None
+        folder = None
+        if cfg.compile.dump_graphs and self._is_rank0():
+            sub = "graphs" if first else f"graphs/retrace_{self.ctx.stats['retraces'] + 1}"
+            folder = f"{cfg.job.dump_folder}/{sub}"
+        dumper = GraphDumper(folder)
+        t0 = time.perf_counter()
+        locals_ = [p.to_local() for p in self.params]
+        gm = trace_train_step(self.fn, locals_, self.buffers, inputs, labels, self.ctx.device)
+        t1 = time.perf_counter()
+        dumper.dump("traced", gm)
+        pctx = PassContext(
+            cfg=cfg,
+            meshes=self.ctx.meshes,
+            device=self.ctx.device,
+            example_inputs=[*locals_, *self.buffers, inputs, labels],
+            dumper=dumper,
+            num_params=len(self.params),
+            num_buffers=len(self.buffers),
+            param_fqns=[s.fqn for s in self.fn.specs],
+        )
+        self.compiled = get_backend(cfg.compile.inductor_compilation).compile(gm, pctx)
+        t2 = time.perf_counter()
+        if not first:
+            self.ctx.stats["retraces"] += 1
+        self.ctx.stats.update(trace_s=t1 - t0, compile_s=t2 - t1, graph=dumper.stages)
+        self.signature = self._signature(inputs, labels)
+
+    @staticmethod
+    def _signature(inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
+        return (tuple(inputs.shape), inputs.dtype, tuple(labels.shape), labels.dtype)
+
+    def _is_rank0(self) -> bool:
+        return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.signature != self._signature(inputs, labels):
+            self._build(inputs, labels)
+        assert self.compiled is not None
+        out = self.compiled(*[p.to_local() for p in self.params], *self.buffers, inputs, labels)
+        accumulate_grads(self.params, self.fn.specs, out[1:])
+        return out[0]
+
+
+@register_capture("aot_fx_trace")
+def capture_fx_trace(ctx: CaptureContext) -> TracedStep:
+    return TracedStep(ctx)

@@ -1,0 +1,1 @@
+"""jit mode (filled in by its own module's author)."""

@@ -1,0 +1,89 @@
+"""`graph-trainer train | plan | compare` (also `python -m graph_trainer`).
+
+Argument and config errors become one line on stderr and exit code 2, before any process group or
+model exists; `--help` is rendered by tyro from the config dataclasses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Callable
+
+from .config import ConfigError, JobConfig, parse_args
+
+EXIT_BAD_INPUT = 2
+
+
+def _error(message: str) -> int:
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    print(f"{prefix}graph-trainer: error: {message}", file=sys.stderr, flush=True)
+    return EXIT_BAD_INPUT
+
+
+def _help(command: str) -> int:
+    import tyro
+
+    tyro.cli(JobConfig, prog=f"graph-trainer {command} [--config FILE.toml]", args=["--help"],
+             description=f"graph-trainer {command}: flags override the TOML given with --config (default configs/llama3_debug.toml).")
+    return 0
+
+
+def _setup_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
+                        format="%(asctime)s [graph-trainer] %(message)s", datefmt="%H:%M:%S")
+
+
+def cmd_train(argv: list[str]) -> int:
+    cfg = parse_args(argv)
+    if cfg.compile.list_passes:
+        from .passes.listing import registry_table
+
+        print(registry_table())
+        return 0
+    from .validate import validate
+
+    validate(cfg)
+    _setup_logging()
+    from .trainer import run
+
+    run(cfg)
+    return 0
+
+
+def _commands() -> dict[str, Callable[[list[str]], int]]:
+    commands: dict[str, Callable[[list[str]], int]] = {"train": cmd_train}
+    try:
+        from .plan import cmd_plan
+
+        commands["plan"] = cmd_plan
+    except ImportError:
+        pass
+    try:
+        from .compare import cmd_compare
+
+        commands["compare"] = cmd_compare
+    except ImportError:
+        pass
+    return commands
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = _commands()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: graph-trainer {{{','.join(commands)}}} [--config FILE.toml] [--section.key VALUE ...]\n"
+              "       graph-trainer COMMAND --help   lists every flag")
+        return 0 if argv else EXIT_BAD_INPUT
+    command, rest = argv[0], argv[1:]
+    if command not in commands:
+        return _error(f"unknown command {command!r}; use one of: {', '.join(commands)}")
+    if any(a in ("-h", "--help") for a in rest) and command == "train":
+        return _help(command)
+    try:
+        return commands[command](rest)
+    except ConfigError as e:
+        return _error(str(e))

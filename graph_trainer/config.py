@@ -1,0 +1,354 @@
+"""Job configuration: dataclass sections named as in torchtitan, loaded from TOML and CLI flags.
+
+The sections are plain dataclasses so that tyro can render `--help` from them and the rest of the
+package can read them without a parser in sight. Values are parsed here, strictly: an unknown key or
+a value of the wrong type raises `ConfigError`, whose message is one line naming the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix; the CLI prints it as one line and exits with code 2."""
+
+
+@dataclass
+class Job:
+    dump_folder: str = "./outputs"
+    """Folder for metrics.jsonl, config.toml, graph dumps and (by default) checkpoints."""
+    description: str = "graph-trainer job"
+    """Free text recorded in config.toml."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family: llama3 or deepseek_v3."""
+    flavor: str = "debugmodel"
+    """Size of the model inside its family (e.g. debugmodel, 1B, 8B, 70B, 16B, 671B)."""
+    tokenizer_path: str = ""
+    """A HF tokenizer.json (file or folder). Empty: the tokenizer shipped with the package."""
+    n_layers: int = 0
+    """Override the flavor's number of layers (0 keeps it); for benchmarks of a model cut short."""
+
+
+@dataclass
+class Training:
+    steps: int = 20
+    """Number of optimizer steps."""
+    batch_size: int = 8
+    """Global batch size in sequences per optimizer step, split over the data-parallel ranks."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    gradient_accumulation_steps: int = 1
+    """Microbatches per optimizer step on each rank."""
+    max_norm: float = 1.0
+    """Gradient clipping by total norm (0 disables clipping)."""
+    dataset_path: str = ""
+    """A .txt, .jsonl or .parquet file or a folder of them. Empty: the corpus shipped with the package."""
+    seed: int = 0
+    """Seed for weights and data; every rank uses the same weights."""
+    deterministic: bool = True
+    """Ask torch for deterministic kernels (bitwise-reproducible runs on CPU)."""
+    mixed_precision_param: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype parameters are gathered and computed in; auto: bfloat16 on GPU, float32 on CPU."""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype gradients are reduced in across data-parallel ranks."""
+    random_tokens: bool = False
+    """Train on random token ids instead of the corpus (throughput benchmarks)."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer (torchtitan's builder)."""
+    lr: float = 8e-4
+    """Peak learning rate."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 2
+    """Linear warm-up steps."""
+    decay_ratio: float = -1.0
+    """Share of steps spent decaying at the end (negative: decay over all steps after warm-up)."""
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay."""
+    min_lr_factor: float = 0.0
+    """Final learning rate as a fraction of the peak."""
+
+
+@dataclass
+class Parallelism:
+    dp_replicate: int = 1
+    """Replicated data-parallel degree (HSDP's outer dimension: gradients all-reduced)."""
+    dp_shard: int = -1
+    """Sharded data-parallel degree (SimpleFSDP); -1 takes the ranks left after the others."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron column/row plans with sequence-parallel norms)."""
+    ep: int = 1
+    """Expert-parallel degree for MoE models; must divide dp_shard * tp."""
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered parameters after forward and gather again in backward (default: yes)."""
+    moe_capacity_factor: float = 0.0
+    """Expert-parallel dispatch buffer per peer as a multiple of the even share; 0: no token is ever dropped."""
+
+
+@dataclass
+class Compile:
+    mode: Literal["eager", "jit", "aot", "aot_fx_trace"] = "eager"
+    """How the train step is captured."""
+    passes: list[str] = field(default_factory=list)
+    """Graph passes in order, comma separated (see --compile.list_passes)."""
+    inductor_compilation: Literal["none", "regional", "full", "autoparallel_backend"] = "none"
+    """Backend the traced train step goes to."""
+    autoparallel: bool = False
+    """Let the built-in solver choose placements on the mesh the parallelism degrees define."""
+    autoparallel_impl: Literal["builtin", "meta"] = "builtin"
+    """Solver implementation: ours, or Meta's autoparallel package if installed."""
+    autoparallel_memory_budget: str = ""
+    """Per-rank cap on parameters + gradients + optimizer state: a fraction of device memory (0.5) or GiB (20GiB)."""
+    autoparallel_plan: str = ""
+    """Reuse a plan.json written by `graph-trainer plan` instead of solving."""
+    dump_graphs: bool = False
+    """Write the graph after each stage and summary.json under <dump_folder>/graphs/."""
+    list_passes: bool = False
+    """Print the pass registry as a table and exit."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: none, every block (full), or selected ops/blocks."""
+    selective_ac_option: str = "op"
+    """selective: 'op' saves matmul outputs only; an integer N checkpoints every N-th block."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save and resume with torch.distributed.checkpoint."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder."""
+    interval: int = 500
+    """Save every this many steps (and at the last step)."""
+    keep_latest_k: int = 0
+    """Keep only the newest k checkpoints (0 keeps all)."""
+    load_step: int = -1
+    """Resume from this step (-1: the latest complete checkpoint)."""
+    fallback_to_previous: bool = False
+    """If the latest checkpoint is corrupt, resume from the newest good one instead of stopping."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+    """Log every this many steps."""
+    progress_bar: bool = True
+    """Show a progress bar on rank 0 when stderr is a terminal."""
+
+
+@dataclass
+class Comm:
+    timeout_seconds: int = 300
+    """Collective timeout: a dead rank makes the others fail after this many seconds."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    compile: Compile = field(default_factory=Compile)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
+
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml"
+
+
+def sections() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def valid_keys() -> dict[str, list[str]]:
+    return {s: [f.name for f in dataclasses.fields(cls)] for s, cls in sections().items()}
+
+
+def _suggest(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _coerce(value: object, hint: object, where: str) -> object:
+    """Turn a TOML value or a CLI string into the field's type, or raise a one-line ConfigError."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{where} must be one of {', '.join(map(str, choices))}, got {value!r}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise ConfigError(f"{where} must be a comma-separated list of names, got {value!r}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be a number, got {value!r}") from None
+    if hint is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return str(value)
+    raise AssertionError(f"unhandled config type {hint} for {where}")
+
+
+def set_value(cfg: JobConfig, section: str, key: str, value: object, source: str) -> None:
+    keys = valid_keys()
+    if section not in keys:
+        raise ConfigError(
+            f"unknown section {section!r} in {source}{_suggest(section, list(keys))}; "
+            f"valid sections: {', '.join(keys)}"
+        )
+    if key not in keys[section]:
+        raise ConfigError(
+            f"unknown key {section}.{key} in {source}{_suggest(key, keys[section])}; "
+            f"valid keys of [{section}]: {', '.join(keys[section])}"
+        )
+    part = getattr(cfg, section)
+    hint = typing.get_type_hints(type(part))[key]
+    setattr(part, key, _coerce(value, hint, f"{section}.{key}"))
+
+
+def load_toml(path: str | Path, cfg: JobConfig | None = None) -> JobConfig:
+    cfg = cfg or JobConfig()
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass an existing --config FILE.toml")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML ({e}); fix the file") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(
+                f"top-level key {section!r} in {path} must be a [section]{_suggest(section, list(valid_keys()))}; "
+                f"valid sections: {', '.join(valid_keys())}"
+            )
+        for key, value in table.items():
+            set_value(cfg, section, key, value, str(path))
+    return cfg
+
+
+def _split_flag(arg: str) -> tuple[str, str | None]:
+    name, eq, value = arg[2:].partition("=")
+    return name.replace("-", "_"), (value if eq else None)
+
+
+def parse_args(argv: list[str]) -> JobConfig:
+    """`--config F.toml` first (default: configs/llama3_debug.toml), then `--section.key value` flags."""
+    argv = list(argv)
+    config_path: str | None = None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--config" or argv[i].startswith("--config="):
+            if "=" in argv[i]:
+                config_path = argv[i].split("=", 1)[1]
+            elif i + 1 < len(argv):
+                config_path = argv[i + 1]
+                i += 1
+            else:
+                raise ConfigError("--config needs a file: --config configs/llama3_debug.toml")
+        else:
+            rest.append(argv[i])
+        i += 1
+    cfg = load_toml(config_path) if config_path else (load_toml(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else JobConfig())
+
+    keys = valid_keys()
+    all_flags = [f"--{s}.{k}" for s, ks in keys.items() for k in ks]
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(
+                f"unexpected argument {arg!r}{_suggest(arg, all_flags)}; flags look like --training.steps 20 "
+                "(see --help)"
+            )
+        name, value = _split_flag(arg)
+        section, _, key = name.partition(".")
+        negated = key.startswith("no_") and section in keys and key[3:] in keys[section]
+        if negated:
+            key = key[3:]
+        if section not in keys or key not in keys[section]:
+            raise ConfigError(f"unknown flag {arg.split('=')[0]}{_suggest(arg.split('=')[0], all_flags)}; see --help for the valid flags")
+        hint = typing.get_type_hints(type(getattr(cfg, section)))[key]
+        if hint is bool and value is None:
+            is_value_next = i + 1 < len(rest) and rest[i + 1].lower() in ("true", "false")
+            value = rest[i + 1] if is_value_next and not negated else str(not negated)
+            i += 1 if is_value_next and not negated else 0
+        elif value is None:
+            if i + 1 >= len(rest):
+                raise ConfigError(f"flag {arg} needs a value, e.g. {arg} VALUE")
+            value = rest[i + 1]
+            i += 1
+        set_value(cfg, section, key, value, "the command line")
+        i += 1
+    return cfg
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML that `load_toml` reads back to an equal config."""
+    lines: list[str] = []
+    for section in valid_keys():
+        lines.append(f"[{section}]")
+        for key, value in dataclasses.asdict(getattr(cfg, section)).items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'

@@ -1,0 +1,39 @@
+"""Manual placement: TP and EP plans, then SimpleFSDP over the data-parallel dimensions, then
+activation checkpointing, in that order (each wraps what the previous one produced)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..models import ModelSpec
+from .mesh import Meshes
+from .simple_fsdp import MixedPrecision, apply_simple_fsdp
+from .tensor_parallel import apply_tensor_parallel
+
+
+def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, mp: MixedPrecision) -> nn.Module:
+    """Place a meta-device model on the mesh by hand (the SimpleFSDP plan)."""
+    if meshes.degrees.tp > 1:
+        apply_tensor_parallel(model, spec.name, meshes.tp)
+    if spec.is_moe:
+        from .expert_parallel import prepare_moe
+
+        prepare_moe(model, meshes)
+    return apply_simple_fsdp(model, meshes, mp)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, option: str) -> None:
+    if mode == "none":
+        return
+    from torchtitan.config import ActivationCheckpoint as TitanAC
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+
+    save_list = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        torch.ops.aten.max.default,
+    }
+    apply_ac(model, TitanAC(mode=mode, selective_ac_option=option), op_sac_save_list=save_list)

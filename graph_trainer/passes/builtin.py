@@ -1,0 +1,1 @@
+"""Imports every shipped pass module so that each registers itself."""

@@ -1,0 +1,200 @@
+"""The training loop: build once, capture the step once, then step, log and checkpoint.
+
+Which capture mode and which backend run the step is decided by registries; nothing below branches
+on them. Rank 0 writes `metrics.jsonl` and `config.toml` into `job.dump_folder`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import models
+from .capture import CaptureContext, build_step
+from .config import JobConfig, to_toml
+from .data import TokenLoader, build_tokenizer, read_documents
+from .metrics import MetricsLogger, reset_peak_memory
+from .parallel import apply_activation_checkpointing, parallelize
+from .parallel.materialize import materialize
+from .parallel.mesh import Meshes, build_meshes, device_type, resolve_degrees
+from .parallel.simple_fsdp import MixedPrecision
+
+logger = logging.getLogger("graph_trainer")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm stopped being finite."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @staticmethod
+    def from_environ() -> "DistEnv":
+        return DistEnv(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def init_distributed(env: DistEnv, device: torch.device, timeout_s: int) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+
+
+def mixed_precision(cfg: JobConfig, device: torch.device) -> MixedPrecision:
+    name = cfg.training.mixed_precision_param
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" else "float32"
+    return MixedPrecision(_DTYPES[name], _DTYPES[cfg.training.mixed_precision_reduce])
+
+
+def set_determinism(cfg: JobConfig, device: torch.device) -> None:
+    torch.manual_seed(cfg.training.seed)
+    if cfg.training.deterministic:
+        if device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: JobConfig, device: torch.device, steps: int):
+    from torchtitan.components.lr_scheduler import build_lr_schedulers
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.config import LRScheduler as TitanLR
+    from torchtitan.config import Optimizer as TitanOpt
+
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    implementation = "fused" if device.type == "cuda" else "foreach"
+    opt_cfg = TitanOpt(name=o.name, lr=o.lr, eps=o.eps, weight_decay=o.weight_decay, implementation=implementation)
+    optimizers = build_optimizers([model], opt_cfg, None)
+    decay_ratio = s.decay_ratio if s.decay_ratio >= 0 else None
+    lr_cfg = TitanLR(warmup_steps=s.warmup_steps, decay_ratio=decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
+    return optimizers, build_lr_schedulers(optimizers, lr_cfg, steps)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+class GraphTrainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.env = DistEnv.from_environ()
+        self.device = torch.device(f"cuda:{self.env.local_rank}") if device_type() == "cuda" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.is_rank0 = self.env.rank == 0
+        init_distributed(self.env, self.device, cfg.comm.timeout_seconds)
+        set_determinism(cfg, self.device)
+        t = cfg.training
+        p = cfg.parallelism
+        self.degrees = resolve_degrees(p.dp_replicate, p.dp_shard, p.tp, p.ep, self.env.world_size)
+        self.meshes: Meshes = build_meshes(self.degrees, self.device.type)
+        self.local_batch = t.batch_size // (self.degrees.dp * t.gradient_accumulation_steps)
+
+        self.tokenizer = build_tokenizer(cfg.model.tokenizer_path or None)
+        documents = [] if t.random_tokens else read_documents(t.dataset_path or None)
+        self.loader = TokenLoader(documents, self.tokenizer, t.seq_len, self.local_batch, self.meshes.dp_rank(), self.degrees.dp)
+
+        spec = models.get_spec(cfg.model.name)
+        args = spec.args_for(cfg.model.flavor, t.seq_len, cfg.model.n_layers)
+        reference = models.build_on_meta(spec, args, self.device.type)
+        self.model = parallelize(models.build_on_meta(spec, args, self.device.type), spec, self.meshes, mixed_precision(cfg, self.device))
+        materialize(self.model, reference, self.device, t.seed)
+        apply_activation_checkpointing(self.model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+        self.nparams, self.flops_per_token = models.nparams_and_flops_per_token(args, reference, t.seq_len)
+        self.optimizers, self.lr_schedulers = build_optimizer(self.model, cfg, self.device, t.steps)
+
+        self.capture = CaptureContext(cfg, self.meshes, self.model, cross_entropy, 1.0 / t.gradient_accumulation_steps, self.device)
+        self.step_fn = build_step(cfg.compile.mode, self.capture)
+        self.step = 0
+        if self.is_rank0:
+            Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
+            (Path(cfg.job.dump_folder) / "config.toml").write_text(to_toml(cfg))
+            logger.info(
+                f"{cfg.model.name} {cfg.model.flavor}: {self.nparams:,} parameters, mesh {self.degrees}, "
+                f"mode {cfg.compile.mode}, backend {cfg.compile.inductor_compilation}, device {self.device}"
+            )
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cfg.training.random_tokens:
+            g = torch.Generator().manual_seed(self.cfg.training.seed * 1_000_003 + self.step)
+            tokens = torch.randint(0, self.model.vocab_size, (self.local_batch, self.cfg.training.seq_len + 1), generator=g)
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        else:
+            inputs, labels = self.loader.next_batch()
+        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step: microbatches through the captured step, clip, update."""
+        self.optimizers.zero_grad()
+        loss = torch.zeros((), device=self.device)
+        for _ in range(self.cfg.training.gradient_accumulation_steps):
+            inputs, labels = self.next_batch()
+            loss += self.step_fn(inputs, labels)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        max_norm = self.cfg.training.max_norm or math.inf
+        grad_norm = clip_grad_norm_(params, max_norm, foreach=True, ep_enabled=self.degrees.ep > 1)
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        return self._mean_over_dp(loss).item(), grad_norm.item()
+
+    def _mean_over_dp(self, loss: torch.Tensor) -> torch.Tensor:
+        """The global batch's loss: every data-parallel rank holds the mean over its own share."""
+        for dim in ("dp_replicate", "dp_shard"):
+            if self.meshes.dense.size(self.meshes.dense.mesh_dim_names.index(dim)) > 1:
+                dist.all_reduce(loss, group=self.meshes.dense.get_group(dim))
+        return loss / self.degrees.dp
+
+    def train(self) -> list[dict]:
+        t = self.cfg.training
+        tokens_per_step = self.local_batch * t.seq_len * t.gradient_accumulation_steps
+        metrics = MetricsLogger(self.cfg.job.dump_folder, self.is_rank0, t.steps, self.flops_per_token,
+                                self.device, self.env.world_size, self.cfg.metrics.progress_bar)
+        records = []
+        start = time.perf_counter()
+        while self.step < t.steps:
+            self.step += 1
+            reset_peak_memory(self.device)
+            loss, grad_norm = self.train_step()
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise NonFiniteError(f"step {self.step}: loss {loss} / grad norm {grad_norm} is not finite; lower --optimizer.lr or check the data")
+            extra = {"retraces": self.capture.stats.get("retraces", 0)}
+            if self.step == 1:
+                extra["time_to_first_step_s"] = time.perf_counter() - start
+                extra.update({k: v for k, v in self.capture.stats.items() if k.endswith("_s")})
+            if self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps:
+                lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+                records.append(metrics.log(self.step, loss, grad_norm, lr, tokens_per_step, extra))
+            else:
+                metrics.restart_clock()
+        metrics.close()
+        return records
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(cfg: JobConfig) -> list[dict]:
+    trainer = GraphTrainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()

@@ -1,0 +1,113 @@
+"""Every up-front check of a config, in one place, run before any process group or model exists.
+
+Each failure is a `ConfigError` whose message is one line naming the fix. Only cheap facts are used:
+the world size from the environment torchrun sets, the model's argument dataclass, file existence,
+and the pass registry's declared constraints.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from . import models
+from .config import ConfigError, JobConfig
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_mesh(cfg: JobConfig, world_size: int) -> tuple[int, int, int, int]:
+    p = cfg.parallelism
+    for name in ("dp_replicate", "tp", "ep"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallelism.{name} must be >= 1, got {getattr(p, name)}")
+    if p.dp_shard == 0 or p.dp_shard < -1:
+        raise ConfigError(f"parallelism.dp_shard must be -1 (fill) or >= 1, got {p.dp_shard}")
+    dp_shard = p.dp_shard
+    if dp_shard == -1:
+        if world_size % (p.dp_replicate * p.tp):
+            raise ConfigError(
+                f"world size {world_size} is not divisible by dp_replicate * tp = {p.dp_replicate * p.tp}; "
+                "change --parallelism.tp/--parallelism.dp_replicate or the number of ranks"
+            )
+        dp_shard = world_size // (p.dp_replicate * p.tp)
+    product = p.dp_replicate * dp_shard * p.tp
+    if product != world_size:
+        raise ConfigError(
+            f"dp_replicate({p.dp_replicate}) * dp_shard({dp_shard}) * tp({p.tp}) = {product} but there are "
+            f"{world_size} ranks; set degrees whose product is {world_size} (or --parallelism.dp_shard -1)"
+        )
+    if p.ep > 1 and (dp_shard * p.tp) % p.ep:
+        raise ConfigError(
+            f"parallelism.ep={p.ep} must divide dp_shard * tp = {dp_shard * p.tp} (expert parallelism borrows those ranks)"
+        )
+    return p.dp_replicate, dp_shard, p.tp, p.ep
+
+
+def check_model(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
+    name, flavor = cfg.model.name, cfg.model.flavor
+    if name not in models.model_names():
+        raise ConfigError(f"unknown model {name!r}; --model.name must be one of {', '.join(models.model_names())}")
+    spec = models.get_spec(name)
+    if flavor not in spec.flavors:
+        raise ConfigError(f"unknown flavor {flavor!r} of {name}; --model.flavor must be one of {', '.join(spec.flavors)}")
+    args = spec.flavors[flavor]
+    _, _, tp, ep = degrees
+    heads = [("n_heads", args.n_heads)] + ([("n_kv_heads", args.n_kv_heads)] if getattr(args, "n_kv_heads", None) else [])
+    for field, count in heads:
+        if count % tp:
+            raise ConfigError(f"parallelism.tp={tp} does not divide {name} {flavor}'s {field}={count}; pick a tp that divides it")
+    if ep > 1:
+        if not spec.is_moe:
+            raise ConfigError(f"parallelism.ep={ep} needs an MoE model; {name} has no experts (set --parallelism.ep 1)")
+        experts = args.moe_args.num_experts
+        if experts % ep:
+            raise ConfigError(f"parallelism.ep={ep} does not divide {name} {flavor}'s {experts} experts; pick an ep that divides it")
+    if cfg.model.n_layers < 0:
+        raise ConfigError(f"model.n_layers must be >= 0 (0 keeps the flavor's), got {cfg.model.n_layers}")
+
+
+def check_training(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
+    t = cfg.training
+    for name in ("steps", "batch_size", "seq_len", "gradient_accumulation_steps"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"training.{name} must be >= 1, got {getattr(t, name)}")
+    dp = degrees[0] * degrees[1]
+    per_step = dp * t.gradient_accumulation_steps
+    if t.batch_size % per_step:
+        raise ConfigError(
+            f"training.batch_size={t.batch_size} is not divisible by dp degree ({dp}) * gradient_accumulation_steps "
+            f"({t.gradient_accumulation_steps}) = {per_step}; use a multiple of {per_step}"
+        )
+    if t.dataset_path and not Path(t.dataset_path).exists():
+        raise ConfigError(f"training.dataset_path {t.dataset_path} does not exist; pass an existing .txt/.jsonl/.parquet file or folder")
+    if cfg.model.tokenizer_path and not Path(cfg.model.tokenizer_path).exists():
+        raise ConfigError(f"model.tokenizer_path {cfg.model.tokenizer_path} does not exist; pass a tokenizer.json or its folder")
+    if t.max_norm < 0:
+        raise ConfigError(f"training.max_norm must be >= 0, got {t.max_norm}")
+    if cfg.metrics.log_freq < 1:
+        raise ConfigError(f"metrics.log_freq must be >= 1, got {cfg.metrics.log_freq}")
+    if cfg.comm.timeout_seconds < 1:
+        raise ConfigError(f"comm.timeout_seconds must be >= 1, got {cfg.comm.timeout_seconds}")
+
+
+def check_compile(cfg: JobConfig, device_type: str) -> None:
+    from .passes.validate import check_passes
+
+    check_passes(cfg, device_type)
+
+
+_CHECKS_AFTER_MESH = (check_model, check_training)
+
+
+def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | None = None) -> tuple[int, int, int, int]:
+    """Raise ConfigError for the first problem found; return the resolved mesh degrees."""
+    from .parallel.mesh import device_type as detect_device
+
+    degrees = check_mesh(cfg, world_size if world_size is not None else world_size_from_env())
+    for check in _CHECKS_AFTER_MESH:
+        check(cfg, degrees)
+    check_compile(cfg, device_type or detect_device())
+    return degrees
