@@ -1,5 +1,11 @@
 """The native backends: our registered passes, then the FX graph runs as Python (`none`), with
-Inductor on annotated regions (`regional`) or with Inductor on the whole graph (`full`)."""
+Inductor on annotated regions (`regional`) or with Inductor on the whole graph (`full`).
+
+Each backend is its pass list: the user's `--compile.passes` with the backend's own passes inserted
+before the first pass that must be last (cudagraph wraps the compiled step, so it stays behind them).
+A user pass the backend runs anyway is taken once, in the backend's place. Every stage is dumped by
+`apply_passes`.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,11 @@ from typing import Any, Callable
 
 from torch import fx
 
-from graph_trainer.passes.registry import PassContext, apply_passes
+from graph_trainer.passes.registry import PassContext, apply_passes, load_passes
 
 from .base import register_backend
 
-_EXTRA_PASSES = {
+_BACKEND_PASSES = {
     "none": [],
     "regional": ["regional_inductor"],
     "full": ["inductor_decomposition", "full_inductor_compilation"],
@@ -24,14 +30,15 @@ class NativeBackend:
     name: str
 
     def pass_names(self, user_passes: list[str]) -> list[str]:
-        # cudagraph must stay last: the Inductor stages go in front of it.
-        head = [p for p in user_passes if p != "cudagraph"]
-        tail = [p for p in user_passes if p == "cudagraph"]
-        return head + [p for p in _EXTRA_PASSES[self.name] if p not in head] + tail
+        own = _BACKEND_PASSES[self.name]
+        passes = load_passes()
+        rest = [p for p in user_passes if p not in own]
+        at = next((i for i, p in enumerate(rest) if p in passes and passes[p].must_be_last), len(rest))
+        return rest[:at] + own + rest[at:]
 
     def compile(self, gm: fx.GraphModule, ctx: PassContext) -> Callable[..., Any]:
         return apply_passes(gm, self.pass_names(ctx.cfg.compile.passes), ctx, "train_step")
 
 
-for _name in _EXTRA_PASSES:
+for _name in _BACKEND_PASSES:
     register_backend(_name)(lambda n=_name: NativeBackend(n))

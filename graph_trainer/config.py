@@ -132,8 +132,8 @@ class Compile:
 class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: none, every block (full), or selected ops/blocks."""
-    selective_ac_option: str = "op"
-    """selective: 'op' saves matmul outputs only; an integer N checkpoints every N-th block."""
+    selective_ac_option: str = "2"
+    """selective: an integer N checkpoints every N-th block; 'op' saves selected op outputs (not in aot_fx_trace)."""
 
 
 @dataclass

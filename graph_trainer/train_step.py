@@ -86,12 +86,12 @@ class FunctionalTrainStep:
         self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], inputs: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         dparams = {s.fqn: s.wrap(p) for s, p in zip(self.specs, params)}
+        # Backward stays inside the swap: activation checkpointing re-runs module forwards there.
         with swapped_tensors(self.model, {**dparams, **dict(zip(self.buffer_names, buffers))}):
-            logits = self.model(inputs)
-        loss = self.loss_fn(logits, labels)
-        if self.loss_scale != 1.0:
-            loss = loss * self.loss_scale
-        grads = torch.autograd.grad(loss, list(params), allow_unused=True)
+            loss = self.loss_fn(self.model(inputs), labels)
+            if self.loss_scale != 1.0:
+                loss = loss * self.loss_scale
+            grads = torch.autograd.grad(loss, list(params), allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
         return loss.detach(), grads
 

@@ -2,6 +2,13 @@
 
 Which capture mode and which backend run the step is decided by registries; nothing below branches
 on them. Rank 0 writes `metrics.jsonl` and `config.toml` into `job.dump_folder`.
+
+How a run ends: 0 when it finishes, or when SIGINT/SIGTERM stopped it after the current step (with
+`--checkpoint.enable` a checkpoint of that step is saved first; a second signal stops at once).
+Failures the user can act on print one line on stderr, no traceback, and exit with
+2 (a checkpoint that cannot be loaded), 3 (a non-finite loss or gradient norm: nothing is saved
+for that step, the last good checkpoint stays the latest) or 4 (a collective failed: a peer rank
+died, or did not answer within `--comm.timeout_seconds`).
 """
 
 from __future__ import annotations
@@ -9,23 +16,29 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from . import models
+from .checkpoint import Checkpointer, CheckpointError, any_rank, state_shapes
 from .capture import CaptureContext, build_step
 from .config import JobConfig, to_toml
 from .data import TokenLoader, build_tokenizer, read_documents
 from .metrics import MetricsLogger, reset_peak_memory
-from .parallel import apply_activation_checkpointing, parallelize
+from .parallel import apply_activation_checkpointing
 from .parallel.materialize import materialize
 from .parallel.mesh import Meshes, build_meshes, device_type, resolve_degrees
 from .parallel.simple_fsdp import MixedPrecision
+from .placement import place_model
 
 logger = logging.getLogger("graph_trainer")
 
@@ -34,6 +47,49 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class NonFiniteError(RuntimeError):
     """The loss or the gradient norm stopped being finite."""
+
+
+_EXIT_CHECKPOINT, _EXIT_NON_FINITE, _EXIT_COMM = 2, 3, 4
+
+
+class StopSignals:
+    """SIGINT and SIGTERM ask the loop to stop after the current step; a second one acts at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self.previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:
+            self.__exit__()
+            signal.raise_signal(signum)
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> "StopSignals":
+        # Handlers can only be installed from the main thread; elsewhere signals keep their defaults.
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous = {}
+
+
+def inject_test_faults(rank: int, step: int, model: torch.nn.Module) -> None:
+    """Test-only faults read from the environment, before a step runs: a NaN weight
+    (`GRAPH_TRAINER_INJECT_NAN_AT_STEP=STEP`), or a signal this process sends itself
+    (`GRAPH_TRAINER_SIGNAL_AT_STEP=STEP:SIGNAME[:RANK]`)."""
+    if os.environ.get("GRAPH_TRAINER_INJECT_NAN_AT_STEP") == str(step):
+        with torch.no_grad():
+            next(model.parameters()).to_local().fill_(float("nan"))
+    at, _, rest = os.environ.get("GRAPH_TRAINER_SIGNAL_AT_STEP", "").partition(":")
+    name, _, only_rank = rest.partition(":")
+    if at == str(step) and only_rank in ("", str(rank)):
+        os.kill(os.getpid(), signal.Signals[name])
 
 
 @dataclass(frozen=True)
@@ -71,7 +127,7 @@ def set_determinism(cfg: JobConfig, device: torch.device) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: JobConfig, device: torch.device, steps: int):
+def build_optimizer(model: torch.nn.Module, spec: models.ModelSpec, cfg: JobConfig, device: torch.device, meshes: Meshes, steps: int):
     from torchtitan.components.lr_scheduler import build_lr_schedulers
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.config import LRScheduler as TitanLR
@@ -81,6 +137,10 @@ def build_optimizer(model: torch.nn.Module, cfg: JobConfig, device: torch.device
     implementation = "fused" if device.type == "cuda" else "foreach"
     opt_cfg = TitanOpt(name=o.name, lr=o.lr, eps=o.eps, weight_decay=o.weight_decay, implementation=implementation)
     optimizers = build_optimizers([model], opt_cfg, None)
+    if spec.is_moe:
+        from .parallel.expert_parallel import install_load_balancing
+
+        install_load_balancing(optimizers, model, meshes)
     decay_ratio = s.decay_ratio if s.decay_ratio >= 0 else None
     lr_cfg = TitanLR(warmup_steps=s.warmup_steps, decay_ratio=decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
     return optimizers, build_lr_schedulers(optimizers, lr_cfg, steps)
@@ -107,21 +167,32 @@ class GraphTrainer:
         self.local_batch = t.batch_size // (self.degrees.dp * t.gradient_accumulation_steps)
 
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path or None)
-        documents = [] if t.random_tokens else read_documents(t.dataset_path or None)
-        self.loader = TokenLoader(documents, self.tokenizer, t.seq_len, self.local_batch, self.meshes.dp_rank(), self.degrees.dp)
+        self.loader = None
+        if not t.random_tokens:
+            documents = read_documents(t.dataset_path or None)
+            self.loader = TokenLoader(documents, self.tokenizer, t.seq_len, self.local_batch, self.meshes.dp_rank(), self.degrees.dp)
 
         spec = models.get_spec(cfg.model.name)
         args = spec.args_for(cfg.model.flavor, t.seq_len, cfg.model.n_layers)
         reference = models.build_on_meta(spec, args, self.device.type)
-        self.model = parallelize(models.build_on_meta(spec, args, self.device.type), spec, self.meshes, mixed_precision(cfg, self.device))
+        mp = mixed_precision(cfg, self.device)
+        self.model = place_model(models.build_on_meta(spec, args, self.device.type), spec, args, self.meshes, mp, cfg)
         materialize(self.model, reference, self.device, t.seed)
         apply_activation_checkpointing(self.model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
         self.nparams, self.flops_per_token = models.nparams_and_flops_per_token(args, reference, t.seq_len)
-        self.optimizers, self.lr_schedulers = build_optimizer(self.model, cfg, self.device, t.steps)
+        self.optimizers, self.lr_schedulers = build_optimizer(self.model, spec, cfg, self.device, self.meshes, t.steps)
+
+        self.step = 0
+        from torchtitan.components.checkpoint import ModelWrapper
+
+        state = {"model": ModelWrapper(self.model), "optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers, "train": self}
+        describe = {"model": f"{cfg.model.name} {cfg.model.flavor} n_layers={args.n_layers}", "params": state_shapes(reference.state_dict()),
+                    "seq_len": t.seq_len, "random_tokens": t.random_tokens, "mesh": str(self.degrees), "mode": cfg.compile.mode}
+        self.checkpointer = Checkpointer(cfg, state, describe, self.device)
+        self.checkpointer.load()
 
         self.capture = CaptureContext(cfg, self.meshes, self.model, cross_entropy, 1.0 / t.gradient_accumulation_steps, self.device)
         self.step_fn = build_step(cfg.compile.mode, self.capture)
-        self.step = 0
         if self.is_rank0:
             Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
             (Path(cfg.job.dump_folder) / "config.toml").write_text(to_toml(cfg))
@@ -129,6 +200,25 @@ class GraphTrainer:
                 f"{cfg.model.name} {cfg.model.flavor}: {self.nparams:,} parameters, mesh {self.degrees}, "
                 f"mode {cfg.compile.mode}, backend {cfg.compile.inductor_compilation}, device {self.device}"
             )
+
+    def state_dict(self) -> dict:
+        """What a checkpoint holds besides model, optimizer and LR schedule: step, data position, RNG."""
+        state = {"step": self.step, "rng": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        if self.loader is not None:
+            state["loader"] = self.loader.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        torch.set_rng_state(state["rng"])
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        if self.loader is not None:
+            # The saved position counts global samples; re-derive it for this run's data-parallel degree.
+            local = {"local_batch_size": self.loader.local_batch_size, "dp_degree": self.loader.dp_degree}
+            self.loader.load_state_dict({**state["loader"], **local})
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.training.random_tokens:
@@ -169,32 +259,64 @@ class GraphTrainer:
                                 self.device, self.env.world_size, self.cfg.metrics.progress_bar)
         records = []
         start = time.perf_counter()
-        while self.step < t.steps:
-            self.step += 1
-            reset_peak_memory(self.device)
-            loss, grad_norm = self.train_step()
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                raise NonFiniteError(f"step {self.step}: loss {loss} / grad norm {grad_norm} is not finite; lower --optimizer.lr or check the data")
-            extra = {"retraces": self.capture.stats.get("retraces", 0)}
-            if self.step == 1:
-                extra["time_to_first_step_s"] = time.perf_counter() - start
-                extra.update({k: v for k, v in self.capture.stats.items() if k.endswith("_s")})
-            if self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps:
-                lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
-                records.append(metrics.log(self.step, loss, grad_norm, lr, tokens_per_step, extra))
-            else:
+        first = True
+        with StopSignals() as signals:
+            while self.step < t.steps:
+                self.step += 1
+                inject_test_faults(self.env.rank, self.step, self.model)
+                reset_peak_memory(self.device)
+                loss, grad_norm = self.train_step()
+                if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                    raise NonFiniteError(f"step {self.step}: loss {loss} / grad norm {grad_norm} is not finite; lower --optimizer.lr or check the data")
+                extra = {"retraces": self.capture.stats.get("retraces", 0)}
+                if first:
+                    extra["time_to_first_step_s"] = time.perf_counter() - start
+                    extra.update({k: v for k, v in self.capture.stats.items() if k.endswith("_s")})
+                    first = False
+                if self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps:
+                    lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+                    records.append(metrics.log(self.step, loss, grad_norm, lr, tokens_per_step, extra))
+                stop = any_rank(signals.received is not None, self.device)
+                if self.checkpointer.due(self.step, stop):
+                    self.checkpointer.save(self.step)
                 metrics.restart_clock()
+                if stop:
+                    if self.is_rank0:
+                        logger.warning(f"stopped after step {self.step} on a stop signal ({signals.received or 'sent to another rank'})")
+                    break
         metrics.close()
         return records
 
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+def _is_comm_failure(e: BaseException) -> bool:
+    """Gloo reports a dead or silent peer as a plain RuntimeError raised from its sources."""
+    return isinstance(e, dist.DistError) or "gloo/" in str(e)
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    env = DistEnv.from_environ()
+    prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
+    print(f"{prefix}graph-trainer: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
 
 
 def run(cfg: JobConfig) -> list[dict]:
-    trainer = GraphTrainer(cfg)
+    """Train; a failure the user can act on ends the process with one line and an exit code (see above)."""
+    trainer = None
     try:
+        trainer = GraphTrainer(cfg)
         return trainer.train()
+    except CheckpointError as e:
+        _fail(str(e), _EXIT_CHECKPOINT)
+    except NonFiniteError as e:
+        _fail(str(e), _EXIT_NON_FINITE)
+    except RuntimeError as e:
+        if not _is_comm_failure(e):
+            raise
+        where = f"at step {trainer.step}" if trainer is not None else "during start-up"
+        first_line = str(e).strip().splitlines()[0]
+        _fail(f"a collective failed {where} ({first_line}); a peer rank died or did not answer within "
+              f"--comm.timeout_seconds={cfg.comm.timeout_seconds}: see its log", _EXIT_COMM)
     finally:
-        trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

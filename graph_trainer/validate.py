@@ -99,7 +99,94 @@ def check_compile(cfg: JobConfig, device_type: str) -> None:
     check_passes(cfg, device_type)
 
 
-_CHECKS_AFTER_MESH = (check_model, check_training)
+def check_activation_checkpoint(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
+    ac = cfg.activation_checkpoint
+    if ac.mode != "selective":
+        return
+    option = ac.selective_ac_option
+    if option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise ConfigError(f"activation_checkpoint.selective_ac_option must be 'op' or an integer >= 1, got {option!r}")
+    if option == "op" and cfg.compile.mode == "aot_fx_trace":
+        # Under make_fx, op-level SAC only tags nodes for a partitioner; one train-step graph has none.
+        raise ConfigError(
+            "op-level selective activation checkpointing needs a partitioner; with --compile.mode aot_fx_trace use "
+            "--activation_checkpoint.selective_ac_option N (every N-th block) or --activation_checkpoint.mode full"
+        )
+
+
+def check_optimizer_schedule(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    for name, value in (("optimizer.lr", o.lr), ("optimizer.eps", o.eps), ("optimizer.weight_decay", o.weight_decay)):
+        if not value >= 0:
+            raise ConfigError(f"{name} must be >= 0, got {value}")
+    if s.warmup_steps < 0:
+        raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {s.warmup_steps}")
+    if s.decay_ratio > 1:
+        raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1] (or negative: decay after warm-up), got {s.decay_ratio}")
+    if not 0 <= s.min_lr_factor <= 1:
+        raise ConfigError(f"lr_scheduler.min_lr_factor must be in [0, 1], got {s.min_lr_factor}")
+
+
+def check_sequence_parallel(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
+    tp, seq_len = degrees[2], cfg.training.seq_len
+    if tp > 1 and not cfg.compile.autoparallel and seq_len % tp:
+        raise ConfigError(
+            f"training.seq_len={seq_len} is not divisible by parallelism.tp={tp} (sequence parallelism splits "
+            f"the sequence over the tp ranks); use a multiple of {tp}"
+        )
+
+
+def _check_writable_folder(path: Path, flag: str) -> None:
+    """The folder exists or can be created: its nearest existing ancestor is a writable folder."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {path} cannot be a folder: {existing} is a file; pick another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path} is not writable ({existing} denies it); pick a folder you can write to")
+
+
+def check_checkpoint(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
+    """Checkpoint flags, and the checkpoint a resume would load: complete, intact, of this model."""
+    from .checkpoint import CheckpointError, check_same_model, checkpoint_root, select_checkpoint, state_shapes
+    from .parallel.mesh import device_type
+
+    c = cfg.checkpoint
+    _check_writable_folder(Path(cfg.job.dump_folder), "--job.dump_folder")
+    if c.interval < 1:
+        raise ConfigError(f"checkpoint.interval must be >= 1, got {c.interval}")
+    if c.keep_latest_k < 0:
+        raise ConfigError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {c.keep_latest_k}")
+    if c.load_step < -1:
+        raise ConfigError(f"checkpoint.load_step must be -1 (the latest) or a step >= 0, got {c.load_step}")
+    if not c.enable:
+        if c.load_step != -1 or c.fallback_to_previous:
+            raise ConfigError("--checkpoint.load_step and --checkpoint.fallback_to_previous resume from a checkpoint: add --checkpoint.enable")
+        return
+    root = checkpoint_root(cfg)
+    _check_writable_folder(root, "--checkpoint.folder")
+    t = cfg.training
+    try:
+        chosen = select_checkpoint(root, c.load_step, c.fallback_to_previous)
+        if chosen is None:
+            return
+        folder, meta = chosen
+        spec = models.get_spec(cfg.model.name)
+        model = models.build_on_meta(spec, spec.args_for(cfg.model.flavor, t.seq_len, cfg.model.n_layers), device_type())
+        check_same_model(folder, meta, state_shapes(model.state_dict()), "this model")
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    if meta.get("random_tokens") != t.random_tokens:
+        raise ConfigError(f"checkpoint {folder} was saved with training.random_tokens={meta.get('random_tokens')}; resume with the same setting")
+    if not t.random_tokens and meta.get("seq_len") != t.seq_len:
+        raise ConfigError(
+            f"checkpoint {folder} counts its data position in samples of seq_len {meta.get('seq_len')}; "
+            f"resume with --training.seq_len {meta.get('seq_len')}"
+        )
+
+
+_CHECKS_AFTER_MESH = (check_model, check_training, check_activation_checkpoint, check_optimizer_schedule, check_sequence_parallel, check_checkpoint)
 
 
 def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | None = None) -> tuple[int, int, int, int]:

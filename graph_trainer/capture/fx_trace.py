@@ -15,12 +15,14 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_trainer.backends import get_backend
 
 from ..graph_dump import GraphDumper
 from ..passes.registry import PassContext
+from ..regions import BackwardSeqNr, copy_marks_to_backward
 from ..train_step import FunctionalTrainStep, ParamSpec, accumulate_grads, named_buffers
 from . import CaptureContext, register_capture
 
@@ -73,8 +75,11 @@ def trace_train_step(
     fake_args += [_fake_like(mode, inputs, device, False), _fake_like(mode, labels, device, False)]
     with _module_stack(step.model) as stack:
         try:
-            with mode:
-                return make_fx(flat_step, tracing_mode="real")(*fake_args)
+            # preserve_node_meta keeps `node.meta["custom"]` (regions.py's marks) and `seq_nr`;
+            # BackwardSeqNr ties each backward op's `seq_nr` to its forward op, through which the
+            # marks are then copied to the backward of the marked regions.
+            with mode, fx_traceback.preserve_node_meta(), BackwardSeqNr():
+                gm = make_fx(flat_step, tracing_mode="real")(*fake_args)
         except Exception as e:  # noqa: BLE001  (any trace failure becomes one actionable error)
             where = stack[-1] if stack else "the loss or backward"
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -82,6 +87,8 @@ def trace_train_step(
                 f"cannot trace the train step into one graph: module {where!r} failed at "
                 f"{type(e).__name__}: {first_line}; use --compile.mode eager or jit for this model"
             ) from e
+    copy_marks_to_backward(gm)
+    return gm
 
 
 class TracedStep:

@@ -1,1 +1,5 @@
-"""Imports every shipped pass module so that each registers itself."""
+"""Imports every shipped pass module so that each registers itself (one import per module)."""
+
+from . import cudagraph  # noqa: F401
+from . import inductor  # noqa: F401
+from . import bucketing, block_bucketing, reshard  # noqa: F401

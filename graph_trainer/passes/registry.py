@@ -1,10 +1,12 @@
 """The one registry of graph passes. A pass is `fn(gm, ctx) -> gm` plus a declaration whose
-constraints are data: the validator reads them before anything heavy runs, and every mode and
-backend applies passes only through `apply_passes`.
+constraints are data: the validator (`passes/validate.py`) reads them before anything heavy runs,
+`--compile.list_passes` prints them, and every mode and backend applies passes only through
+`apply_passes`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
@@ -12,6 +14,9 @@ import torch
 from torch import fx
 
 Stage = Literal["joint", "forward", "backward", "train_step"]
+STAGES: tuple[Stage, ...] = ("joint", "forward", "backward", "train_step")
+GRAPH_MODES = ("jit", "aot", "aot_fx_trace")
+"""The capture modes that produce graphs (eager has none, so no pass runs in it)."""
 
 
 @dataclass
@@ -27,6 +32,8 @@ class PassContext:
     """How many leading graph inputs are parameter shards (static addresses for cudagraph)."""
     num_buffers: int = 0
     param_fqns: list[str] = field(default_factory=list)
+    stage: Stage = "train_step"
+    """The stage of the graph being transformed; `apply_passes` sets it."""
 
 
 PassFn = Callable[[fx.GraphModule, PassContext], Any]
@@ -36,15 +43,26 @@ PassFn = Callable[[fx.GraphModule, PassContext], Any]
 class PassSpec:
     name: str
     description: str
+    """One line for `--compile.list_passes`."""
     stages: tuple[Stage, ...]
+    """Graphs the pass transforms; on other stages `apply_passes` skips it."""
     modes: tuple[str, ...]
+    """Capture modes (`--compile.mode`) the pass supports."""
     fn: PassFn
     requires: tuple[str, ...] = ()
+    """Passes that must run before this one."""
     conflicts: tuple[str, ...] = ()
+    """Passes that cannot run together with this one (checked in both directions)."""
     must_be_last: bool = False
     cuda_only: bool = False
     compiles: bool = False
-    """The pass returns a compiled callable, not a GraphModule: no graph pass may follow it."""
+    """The pass returns a compiled callable, not a graph to transform: no graph pass may follow it."""
+    wraps_compiled: bool = False
+    """The pass wraps whatever callable it gets, so it may follow a compiling pass."""
+    excluded_backends: tuple[str, ...] = ()
+    """`--compile.inductor_compilation` backends that do this pass's job themselves: refused with them."""
+    env_defaults: tuple[tuple[str, str], ...] = ()
+    """Environment variables the pass needs set before any process group exists (unless the user set them)."""
 
 
 PASSES: dict[str, PassSpec] = {}
@@ -52,6 +70,8 @@ PASSES: dict[str, PassSpec] = {}
 
 def register_pass(spec: PassSpec) -> PassSpec:
     assert spec.name not in PASSES, spec.name
+    assert spec.stages and set(spec.stages) <= set(STAGES), (spec.name, spec.stages)
+    assert set(spec.modes) <= set(GRAPH_MODES), (spec.name, spec.modes)
     PASSES[spec.name] = spec
     return spec
 
@@ -62,15 +82,59 @@ def load_passes() -> dict[str, PassSpec]:
     return PASSES
 
 
+class Compiled:
+    """What a compiling pass returns: calls `fn` with the graph's inputs and keeps the FX graph it was
+    built from (`graph_module`, for the dumps).
+
+    The call runs without autograd recording: the train-step graph already holds its backward, and
+    its parameter inputs require grad, which compiled kernels writing into `out=` buffers refuse.
+    `boxed`: `fn` takes one list of inputs (Inductor's and AOTAutograd's convention).
+    """
+
+    def __init__(self, fn: Callable[..., Any], graph_module: fx.GraphModule | None, boxed: bool = False):
+        self.fn = fn
+        self.graph_module = graph_module
+        self.boxed = boxed
+
+    def __call__(self, *args: Any) -> Any:
+        with torch.no_grad():
+            return self.fn(list(args)) if self.boxed else self.fn(*args)
+
+
 def apply_passes(gm: fx.GraphModule, names: list[str], ctx: PassContext, stage: Stage) -> Any:
-    """Run the named passes in order on one graph of `stage`, dumping after each."""
+    """Run the named passes in order on one graph of `stage`, dumping after each.
+
+    After a compiling pass the dump holds the FX graph the compiled callable was built from, marked
+    `compiled: true` in summary.json, so every stage of every backend appears in the dumps.
+    """
     passes = load_passes()
+    ctx = dataclasses.replace(ctx, stage=stage)
     result: Any = gm
     for name in names:
         spec = passes[name]
         if stage not in spec.stages:
             continue
         result = spec.fn(result, ctx)
-        if ctx.dumper is not None and isinstance(result, fx.GraphModule):
-            ctx.dumper.dump(f"{stage}_{name}" if stage != "train_step" else name, result)
+        if ctx.dumper is None:
+            continue
+        label = f"{stage}_{name}" if stage != "train_step" else name
+        if isinstance(result, fx.GraphModule):
+            ctx.dumper.dump(label, result)
+        elif isinstance(getattr(result, "graph_module", None), fx.GraphModule):
+            ctx.dumper.dump(label, result.graph_module, compiled=True)
     return result
+
+
+_TEARDOWNS: list[Callable[[], None]] = []
+
+
+def register_teardown(fn: Callable[[], None]) -> None:
+    """Run `fn` at `run_teardowns()`, which the trainer calls before it destroys the process group
+    (a captured CUDA graph that still references NCCL resources then can hang the exit)."""
+    if fn not in _TEARDOWNS:
+        _TEARDOWNS.append(fn)
+
+
+def run_teardowns() -> None:
+    while _TEARDOWNS:
+        _TEARDOWNS.pop()()

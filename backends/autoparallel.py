@@ -1,0 +1,60 @@
+"""autoparallel_backend: AutoParallel-style compilation of the train-step graph.
+
+Its pass list, each stage dumped by `apply_passes`:
+1. `reshard_after_forward` (acts as `parallelism.reshard_after_forward` says; default: reshard);
+2. the user's `--compile.passes` (graph passes; they see one collective per parameter);
+3. `autoparallel_scheduling`: its own schedule of the collectives on the aten graph, bucket sizes
+   and the issue point of every bucket chosen by the simulated step time under the cost model
+   (alpha-beta collectives on the mesh's links, roofline compute of the graph as Inductor will fuse it);
+4. `inductor_decomposition` + `full_inductor_compilation`: Inductor compiles the whole graph,
+   collectives included, in the order step 3 left them;
+5. a user's `cudagraph` (or any pass that must be last) stays last.
+
+`--compile.autoparallel_impl meta` makes step 3 run Meta AutoParallel's aten bucketing/reordering
+pass instead of ours (when the package is installed; `check_config` refuses it up front otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import fx
+
+from graph_trainer.config import ConfigError, JobConfig
+from graph_trainer.passes.bucketing_compat import META_AUTOPARALLEL_INSTALL, meta_autobucketing
+from graph_trainer.passes.registry import PassContext, apply_passes, load_passes
+
+from .base import register_backend
+
+NAME = "autoparallel_backend"
+FIRST = ["reshard_after_forward"]
+SCHEDULE_AND_COMPILE = ["autoparallel_scheduling", "inductor_decomposition", "full_inductor_compilation"]
+
+
+def check_config(cfg: JobConfig) -> None:
+    """Up-front check (no process group yet): the meta implementation needs Meta's package."""
+    if cfg.compile.inductor_compilation == NAME and cfg.compile.autoparallel_impl == "meta" and meta_autobucketing() is None:
+        raise ConfigError(
+            f"--compile.autoparallel_impl meta needs Meta's autoparallel package, which is not importable: "
+            f"{META_AUTOPARALLEL_INSTALL}; or use --compile.autoparallel_impl builtin"
+        )
+
+
+@dataclass
+class AutoParallelBackend:
+    name: str = NAME
+
+    def pass_names(self, user_passes: list[str]) -> list[str]:
+        own = FIRST + SCHEDULE_AND_COMPILE
+        passes = load_passes()
+        rest = [p for p in user_passes if p not in own]
+        at = next((i for i, p in enumerate(rest) if p in passes and passes[p].must_be_last), len(rest))
+        return FIRST + rest[:at] + SCHEDULE_AND_COMPILE + rest[at:]
+
+    def compile(self, gm: fx.GraphModule, ctx: PassContext) -> Callable[..., Any]:
+        check_config(ctx.cfg)
+        return apply_passes(gm, self.pass_names(ctx.cfg.compile.passes), ctx, "train_step")
+
+
+register_backend(NAME)(AutoParallelBackend)

@@ -1,0 +1,162 @@
+"""Cost model: alpha-beta collectives per mesh dimension, roofline compute, per-rank parameter memory.
+
+Default numbers (H100 SXM; all overridable through `Hardware`):
+- 989 TFLOP/s dense bf16 and 3.35 TB/s HBM3: NVIDIA's H100 SXM data sheet. fp32 matmuls are priced
+  at half the bf16 rate (TF32 tensor cores: 494 TFLOP/s on the same sheet).
+- 70% of peak is reachable for both (AutoParallel's and torch's roofline estimators use 0.7; the
+  project measured 729-798 TFLOP/s for a bf16 8192^3 matmul, 74-81%).
+- NVLink 4: 900 GB/s per GPU both directions together, so 450 GB/s per direction, inside an 8-GPU
+  node; 400 Gb/s (50 GB/s) per GPU InfiniBand NDR between nodes (HGX H100 reference design).
+- alpha = 10 us per collective: NCCL's launch + ring latency order of magnitude at these sizes.
+- 80 GiB of device memory when there is no GPU to ask.
+
+Collectives over n ranks of a mesh dimension with bandwidth B (ring algorithms):
+all-gather (S->R) and reduce-scatter (P->S): alpha + (n-1)/n * bytes / B with `bytes` the full
+(gathered, or pre-scatter) local size; all-reduce (P->R): alpha + 2 (n-1)/n * bytes / B; all-to-all
+(S(d)->S(d')): alpha + (n-1)/n * bytes / B; R->S is a local slice (free); anything -> Partial is
+forbidden. A multi-dimension redistribution runs reductions first, then all-to-alls, then gathers
+from the innermost mesh dimension out, each priced on the local size at that moment. The gathers of
+parameters (and the reductions of their gradients) pay one alpha per unit, not per parameter: the
+bucketing passes merge them per transformer block, as FSDP implementations do.
+
+Backward: the plan runs as DTensor ops, so autograd's backward of each redistribution is the
+reverse one that DTensor performs (gradient layout -> the producer's layout, where a Partial
+producer keeps a Replicate/Shard gradient as Replicate), and an input used Replicate by an op whose
+other operands or output are not Replicate on that mesh dim gets a Partial gradient. Backward
+compute is 2x the forward for matmul-like ops (two matmuls per forward one) and 1x for the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+
+from .strategies import Spec, Strategy, shard_factor
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Hardware:
+    peak_flops_bf16: float = 989e12
+    hbm_bytes_per_s: float = 3.35e12
+    efficiency: float = 0.7
+    intra_node_bytes_per_s: float = 450e9
+    inter_node_bytes_per_s: float = 50e9
+    alpha_s: float = 10e-6
+    gpus_per_node: int = 8
+    device_memory_bytes: float = 80 * GiB
+
+    def peak_flops(self, dtype: torch.dtype) -> float:
+        return self.peak_flops_bf16 if dtype in (torch.bfloat16, torch.float16) else self.peak_flops_bf16 / 2
+
+
+def mesh_bandwidths(full_shape: Sequence[int], solver_dims: Sequence[int], hw: Hardware) -> tuple[float, ...]:
+    """Ranks are laid out row-major: a mesh dim stays inside a node when it and the dims after it fit."""
+    out = []
+    for d in solver_dims:
+        span = math.prod(full_shape[d:])
+        out.append(hw.intra_node_bytes_per_s if span <= hw.gpus_per_node else hw.inter_node_bytes_per_s)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class CommModel:
+    sizes: tuple[int, ...]
+    bandwidths: tuple[float, ...]
+    alpha: float
+
+    def redistribute(self, nbytes: float, src: Spec, dst: Spec, latency_share: float = 1.0) -> tuple[float, tuple[tuple[str, float], ...]]:
+        """Time in seconds (inf if impossible) and the collectives as (kind, bytes) pairs.
+        `latency_share` < 1 prices a collective that is bucketed with others (one alpha per bucket)."""
+        return _redistribute(self, nbytes, src, dst, latency_share)
+
+
+@lru_cache(maxsize=None)
+def _redistribute(cm: CommModel, nbytes: float, src: Spec, dst: Spec, latency_share: float) -> tuple[float, tuple[tuple[str, float], ...]]:
+    if src == dst:
+        return 0.0, ()
+    cur = list(src)
+    for m, (a, b) in enumerate(zip(src, dst)):
+        if b.startswith("P") and a != b:
+            return math.inf, ()
+    t = 0.0
+    alpha = cm.alpha * latency_share
+    colls: list[tuple[str, float]] = []
+
+    def local() -> float:
+        return nbytes / shard_factor(tuple(cur), cm.sizes)
+
+    for m in range(len(cur)):
+        if cur[m].startswith("P") and dst[m] != cur[m]:
+            n, bw, b = cm.sizes[m], cm.bandwidths[m], local()
+            if dst[m] == "R":
+                t += alpha + 2 * (n - 1) / n * b / bw
+                colls.append(("all_reduce", b))
+            else:
+                t += alpha + (n - 1) / n * b / bw
+                colls.append(("reduce_scatter", b))
+            cur[m] = dst[m]
+    for m in range(len(cur)):
+        if cur[m].startswith("S") and dst[m].startswith("S") and cur[m] != dst[m]:
+            n, bw, b = cm.sizes[m], cm.bandwidths[m], local()
+            t += alpha + (n - 1) / n * b / bw
+            colls.append(("all_to_all", b))
+            cur[m] = dst[m]
+    for m in reversed(range(len(cur))):
+        if cur[m].startswith("S") and dst[m] == "R":
+            cur[m] = "R"
+            n, bw, b = cm.sizes[m], cm.bandwidths[m], local()
+            t += alpha + (n - 1) / n * b / bw
+            colls.append(("all_gather", b))
+    return t, tuple(colls)
+
+
+def grad_spec(strategy: Strategy, arg: int) -> Spec:
+    """Layout of the gradient an op's backward produces for input `arg` under `strategy`."""
+    out = []
+    spec = strategy.ins[arg]
+    for m, p in enumerate(spec):
+        if p.startswith("S"):
+            out.append(p)
+        elif p.startswith("P"):
+            out.append("R")
+        else:
+            others = [s[m] for i, s in enumerate(strategy.ins) if i != arg] + [s[m] for s in strategy.outs]
+            out.append("P" if any(o != "R" for o in others) else "R")
+    return tuple(out)
+
+
+def backward_target(producer: Spec, grad: Spec) -> Spec:
+    """Where DTensor's backward of a redistribution sends the gradient: the producer's layout, except
+    that a Partial producer receives a Replicate (or Shard -> Replicate) gradient as Replicate."""
+    return tuple("R" if p.startswith("P") and not g.startswith("P") else p for p, g in zip(producer, grad))
+
+
+def work_fraction(strategy: Strategy, sizes: Sequence[int]) -> int:
+    """How many ways the op's work is split: mesh dims on which some operand is not replicated."""
+    return math.prod(n for m, n in enumerate(sizes) if any(s[m] != "R" for s in strategy.ins + strategy.outs))
+
+
+def compute_time(flops: float, in_bytes: Sequence[float], out_bytes: Sequence[float], strategy: Strategy,
+                 sizes: Sequence[int], dtype: torch.dtype, hw: Hardware, needs_grad: bool) -> float:
+    split = work_fraction(strategy, sizes)
+    moved = sum(b / shard_factor(s, sizes) for b, s in zip(in_bytes, strategy.ins))
+    moved += sum(b / shard_factor(s, sizes) for b, s in zip(out_bytes, strategy.outs))
+    t = max(flops / split / (hw.efficiency * hw.peak_flops(dtype)), moved / (hw.efficiency * hw.hbm_bytes_per_s))
+    if needs_grad:
+        t *= 3.0 if flops else 2.0
+    return t
+
+
+OPTIMIZER_BYTES_PER_ELEMENT = 28
+"""AdamW step per element: read param, grad and two moments, write param and two moments (fp32)."""
+
+
+def state_bytes_per_element(storage_itemsize: int) -> int:
+    """Parameter + gradient + two Adam moments, all in the storage dtype."""
+    return 4 * storage_itemsize

@@ -1,0 +1,420 @@
+"""From a traced model to a solved plan: build the program (strategies, costs, memory), solve it,
+and describe the result as data (`Plan`) that report.py prints/saves and apply.py executes."""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import flop_registry
+
+from ..config import ConfigError
+from . import program
+from .costs import (OPTIMIZER_BYTES_PER_ELEMENT, CommModel, Hardware, backward_target, compute_time, grad_spec,
+                    state_bytes_per_element)
+from .strategies import NodeStrategies, Spec, Strategy, StrategyEnumerator, candidate_specs, shard_factor, tensor_args, tensor_outputs
+from .trace import ModelTrace, UnitGraph
+
+aten = torch.ops.aten
+GiB = 1024**3
+DP_DIMS = ("dp_replicate", "dp_shard")
+_ATTENTION = {
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+}
+
+
+def canonical_op(node: fx.Node) -> str | None:
+    """The op's name for matching a plan to a graph traced elsewhere (other device or torch), or
+    None for nodes that only alias an output or change the dtype (they follow their input)."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return None
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    if name in ("_to_copy", "convert_element_type") and set(node.kwargs) <= {"dtype", "layout", "device"}:
+        return None
+    if name in _ATTENTION:
+        return "attention"
+    return name
+
+
+@dataclass
+class MeshInfo:
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    solver_dims: tuple[int, ...]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(self.shape[d] for d in self.solver_dims)
+
+    @property
+    def solver_names(self) -> tuple[str, ...]:
+        return tuple(self.names[d] for d in self.solver_dims)
+
+    def batch_spec(self) -> Spec:
+        return tuple("S0" if n in DP_DIMS else "R" for n in self.solver_names)
+
+    @property
+    def dp_degree(self) -> int:
+        return math.prod(s for n, s in zip(self.names, self.shape) if n in DP_DIMS)
+
+
+@dataclass
+class Settings:
+    hw: Hardware
+    memory_budget: float
+    reduce_dtype: torch.dtype
+    param_itemsize: int
+    microbatches: int = 1
+
+
+@dataclass
+class _Value:
+    node: int
+    out: int
+    nbytes: float
+    grad_nbytes: float | None
+    shape: tuple[int, ...]
+    latency_share: float = 1.0
+
+
+@dataclass
+class _Builder:
+    mesh: MeshInfo
+    settings: Settings
+    comm: CommModel
+    enum: StrategyEnumerator | None
+    nodes: list[program.ProgramNode] = field(default_factory=list)
+    strategies: list[list[Strategy]] = field(default_factory=list)
+    edges: list[program.ProgramEdge] = field(default_factory=list)
+    edge_info: list[tuple[list, list, dict]] = field(default_factory=list)
+    labels: list[tuple[int, str]] = field(default_factory=list)
+    fallbacks: list[tuple[str, str]] = field(default_factory=list)
+    flops: list[float] = field(default_factory=list)
+
+    def add_node(self, strategies: list[Strategy], costs: list[float], label: tuple[int, str], memory: list[float] | None = None) -> int:
+        self.nodes.append(program.ProgramNode(costs, memory))
+        self.strategies.append(strategies)
+        self.labels.append(label)
+        return len(self.nodes) - 1
+
+    def edge(self, src: int, src_keys: list, dst: int, dst_keys: list, price: Callable[[Any, Any], tuple[float, list]]) -> None:
+        """A program edge; `price(src_key, dst_key)` -> (seconds, [(direction, collective, bytes, seconds)])."""
+        si = {k: i for i, k in enumerate(dict.fromkeys(src_keys))}
+        di = {k: i for i, k in enumerate(dict.fromkeys(dst_keys))}
+        table = {(a, c): price(a, c) for a in si for c in di}
+        cost = [[table[(a, c)][0] for c in di] for a in si]
+        self.edges.append(program.ProgramEdge(src, dst, [si[k] for k in src_keys], [di[k] for k in dst_keys], cost))
+        self.edge_info.append((src_keys, dst_keys, table))
+
+    def _price(self, nbytes: float, src: Spec, dst: Spec, share: float, mult: float, direction: str) -> tuple[float, list]:
+        t, colls = self.comm.redistribute(nbytes, src, dst, share)
+        if math.isinf(t):
+            return t, []
+        return mult * t, [(direction, kind, mult * b, mult * t / len(colls)) for kind, b in colls]
+
+    def connect(self, value: _Value, uses: list[tuple[int, int, float]]) -> None:
+        """Edges from a value to the ops reading it. With several readers their gradients are summed
+        in an accumulator layout first (one more node), then sent back to the producer once."""
+        outs = [s.outs[value.out] for s in self.strategies[value.node]]
+        share = value.latency_share
+        single = len(uses) == 1 or value.grad_nbytes is None
+        for dst, arg, mult in uses:
+            strats = self.strategies[dst]
+            if value.grad_nbytes is None or not single:
+                keys = [s.ins[arg] for s in strats]
+                fwd_mult = mult / (1 if single else len(uses))
+                self.edge(value.node, outs, dst, keys, lambda o, r, m=fwd_mult: self._price(value.nbytes, o, r, share, m, "forward"))
+                continue
+            keys = [(s.ins[arg], grad_spec(s, arg)) for s in strats]
+
+            def both(o: Spec, k: tuple, m: float = mult) -> tuple[float, list]:
+                t1, c1 = self._price(value.nbytes, o, k[0], share, m, "forward")
+                if math.isinf(t1):
+                    return t1, []
+                t2, c2 = self._price(value.grad_nbytes, k[1], backward_target(o, k[1]), share, m, "backward")
+                return t1 + t2, c1 + c2
+
+            self.edge(value.node, outs, dst, keys, both)
+        if single:
+            return
+        grads = {grad_spec(s, arg): None for dst, arg, _ in uses for s in self.strategies[dst]}
+        layouts = list(dict.fromkeys(list(grads) + outs))
+        acc = self.add_node([Strategy((a,), ()) for a in layouts], [0.0] * len(layouts), (-1, "grad-accumulator"))
+        mult = uses[0][2]
+        for dst, arg, m in uses:
+            gkeys = [grad_spec(s, arg) for s in self.strategies[dst]]
+            self.edge(dst, gkeys, acc, layouts, lambda g, a, m=m: self._price(value.grad_nbytes, g, _into(g, a), share, m, "backward"))
+        self.edge(value.node, outs, acc, layouts,
+                  lambda o, a: self._price(value.grad_nbytes, a, backward_target(o, a), share, mult, "backward"))
+
+
+def _into(g: Spec, acc: Spec) -> Spec:
+    """Adding a gradient into a Partial accumulator needs it Replicate there, never reduced."""
+    return tuple("R" if a.startswith("P") and not p.startswith("P") else a for p, a in zip(g, acc))
+
+
+def _nbytes(t: torch.Tensor) -> float:
+    return float(t.numel() * t.element_size())
+
+
+def _flops(node: fx.Node) -> float:
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu:
+        packet = aten._scaled_dot_product_flash_attention
+    fn = flop_registry.get(packet)
+    if fn is None:
+        return 0.0
+    to_val = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731
+    return float(fn(*tree_map(to_val, node.args), **tree_map(to_val, dict(node.kwargs)), out_val=node.meta.get("val")))
+
+
+def _is_float(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh | None, settings: Settings) -> "Plan":
+    t0 = time.perf_counter()
+    sizes = mesh.sizes
+    hw = settings.hw
+    from .costs import mesh_bandwidths
+
+    comm = CommModel(sizes, mesh_bandwidths(mesh.shape, mesh.solver_dims, hw), hw.alpha_s)
+    enum = StrategyEnumerator(solver_mesh, sizes) if solver_mesh is not None else None
+    b = _Builder(mesh, settings, comm, enum)
+    one: Spec = tuple("R" for _ in sizes)
+    reduce_itemsize = torch.empty((), dtype=settings.reduce_dtype).element_size()
+    calls_of: dict[int, int] = defaultdict(int)
+    for c in trace.calls:
+        calls_of[c.kind] += 1
+    unit_requires_grad: dict[tuple[int, int], bool] = defaultdict(bool)
+    for c in trace.calls:
+        for j, src in enumerate(c.sources):
+            unit_requires_grad[(c.kind, j)] |= src.kind == "unit"
+
+    placeholders: dict[tuple[int, int], int] = {}
+    placeholder_bytes: dict[tuple[int, int], float] = {}
+    outputs: dict[int, _Value] = {}
+    unit_nodes: dict[int, dict[str, int]] = {}
+    for unit in trace.units:
+        mult = calls_of[unit.kind]
+        ids: dict[str, int] = {}
+        values: dict[tuple[str, int], _Value] = {}
+        uses: dict[tuple[int, int], list[tuple[int, int, float]]] = defaultdict(list)
+        by_key: dict[tuple[int, int], _Value] = {}
+        n_p, n_b = len(unit.param_names), len(unit.buffer_names)
+        ph = 0
+        for node in unit.gm.graph.nodes:
+            if node.op == "placeholder":
+                val = node.meta["val"]
+                if ph < n_p:
+                    cands = candidate_specs(val.shape, sizes) if sizes else [()]
+                    state = state_bytes_per_element(settings.param_itemsize)
+                    mem = [mult * val.numel() * state / shard_factor(c, sizes) for c in cands]
+                    opt = [mult * val.numel() * OPTIMIZER_BYTES_PER_ELEMENT / shard_factor(c, sizes) /
+                           (hw.efficiency * hw.hbm_bytes_per_s) for c in cands]
+                    ids[node.name] = b.add_node([Strategy((c,), ()) for c in cands], opt, (unit.kind, node.name), mem)
+                    grad = val.numel() * reduce_itemsize
+                elif ph < n_p + n_b:
+                    ids[node.name] = b.add_node([Strategy((one,), ())], [0.0], (unit.kind, node.name))
+                    grad = None
+                else:
+                    j = ph - n_p - n_b
+                    cands = candidate_specs(val.shape, sizes) if sizes else [()]
+                    ids[node.name] = b.add_node([Strategy((c,), (c,)) for c in cands], [0.0] * len(cands), (unit.kind, node.name))
+                    placeholders[(unit.kind, j)] = ids[node.name]
+                    placeholder_bytes[(unit.kind, j)] = _nbytes(val)
+                    grad = _nbytes(val) if unit_requires_grad[(unit.kind, j)] and _is_float(val) else None
+                share = 1.0 / n_p if ph < n_p else 1.0
+                values[(node.name, 0)] = _Value(ids[node.name], 0, _nbytes(val), grad, tuple(val.shape), share)
+                ph += 1
+            elif node.op == "call_function" and node.target is operator.getitem:
+                values[(node.name, 0)] = values[(node.args[0].name, node.args[1])]
+            elif node.op == "call_function":
+                args = tensor_args(node)
+                arg_values = [values[(a.name, 0)] for a in args]
+                cands = [sorted({s.outs[v.out] for s in b.strategies[v.node]}) for v in arg_values]
+                if enum is not None:
+                    ns = enum.enumerate(node, cands)
+                else:
+                    ns = NodeStrategies([Strategy(tuple(() for _ in tensor_outputs(node)), tuple(() for _ in args))])
+                strategies = [s for s in ns.strategies if _reachable(s, cands)] or ns.strategies
+                if ns.fallback:
+                    b.fallbacks.append((str(node.target), unit.node_module.get(node.name, unit.modules[0])))
+                val = node.meta["val"]
+                out_vals = [val] if isinstance(val, torch.Tensor) else [val[i] for i in tensor_outputs(node)]
+                needs_grad = any(v.grad_nbytes is not None for v in arg_values)
+                flops = _flops(node)
+                dtype = next((v.dtype for v in out_vals if v.is_floating_point()), torch.float32)
+                in_b = [v.nbytes for v in arg_values]
+                out_b = [_nbytes(v) for v in out_vals]
+                costs = [mult * compute_time(flops, in_b, out_b, s, sizes, dtype, hw, needs_grad) for s in strategies]
+                ids[node.name] = b.add_node(strategies, costs, (unit.kind, node.name))
+                b.flops.append(mult * flops * (3 if needs_grad else 1))
+                for i, v in enumerate(arg_values):
+                    uses[(v.node, v.out)].append((ids[node.name], i, mult))
+                    by_key[(v.node, v.out)] = v
+                # a parameter's transpose/view/cast is still that parameter: its collectives bucket alike
+                share = arg_values[0].latency_share if len(arg_values) == 1 else 1.0
+                for k, pos in enumerate(tensor_outputs(node)):
+                    ov = out_vals[k]
+                    grad = _nbytes(ov) if needs_grad and _is_float(ov) else None
+                    values[(node.name, pos)] = _Value(ids[node.name], k, _nbytes(ov), grad, tuple(ov.shape), share)
+            elif node.op == "output":
+                (ret,) = [a for a in torch.utils._pytree.tree_leaves(node.args[0])]
+                outputs[unit.kind] = values[(ret.name, 0)]
+        for key, readers in uses.items():
+            b.connect(by_key[key], readers)
+        unit_nodes[unit.kind] = ids
+
+    batch = mesh.batch_spec()
+    sources: dict[tuple[str, str], int] = {}
+    cross: dict[tuple[int, int, int], float] = defaultdict(float)
+    cross_value: dict[tuple[int, int, int], _Value] = {}
+    for c in trace.calls:
+        for j, src in enumerate(c.sources):
+            dst = placeholders[(c.kind, j)]
+            if src.kind == "unit":
+                v = outputs[trace.calls[src.call].kind]
+            else:
+                key = (src.kind, src.name)
+                if key not in sources:
+                    spec = batch if src.kind == "input" else one
+                    sources[key] = b.add_node([Strategy((spec,), ())], [0.0], (-1, f"{src.kind}:{src.name}"))
+                v = _Value(sources[key], 0, placeholder_bytes[(c.kind, j)], None, ())
+            cross[(v.node, v.out, dst)] += 1
+            cross_value[(v.node, v.out, dst)] = v
+    for key, count in cross.items():
+        b.connect(cross_value[key], [(key[2], 0, count)])
+
+    final = outputs[trace.calls[trace.output.call].kind]
+    sink = b.add_node([Strategy((), (batch,))], [0.0], (-1, "output"))
+    b.connect(final, [(sink, 0, 1)])
+
+    param_nodes = [i for i, n in enumerate(b.nodes) if n.memory is not None]
+    min_memory = sum(min(b.nodes[i].memory) for i in param_nodes)
+    if min_memory > settings.memory_budget:
+        raise ConfigError(
+            f"autoparallel: the memory budget {settings.memory_budget / GiB:.2f} GiB per rank is infeasible; parameters + "
+            f"gradients + optimizer state need at least {math.ceil(min_memory / GiB * 100) / 100:.2f} GiB per rank on this mesh: "
+            f"set --compile.autoparallel_memory_budget {math.ceil(min_memory / GiB * 100) / 100:.2f}GiB or more, or use more ranks"
+        )
+    t_build = time.perf_counter() - t0
+    try:
+        sol = program.solve(b.nodes, b.edges, settings.memory_budget)
+    except program.Infeasible:
+        raise ConfigError(f"autoparallel: no plan fits the memory budget of {settings.memory_budget / GiB:.2f} GiB per rank") from None
+    return _make_plan(trace, b, sol, unit_nodes, t_build, settings)
+
+
+def _reachable(s: Strategy, cands: list[list[Spec]]) -> bool:
+    """A strategy asking an input to be Partial where no producer layout is that Partial can never be fed."""
+    for spec, cs in zip(s.ins, cands):
+        for m, p in enumerate(spec):
+            if p.startswith("P") and not any(c[m] == p for c in cs):
+                return False
+    return True
+
+
+@dataclass
+class Plan:
+    data: dict[str, Any]
+
+
+def _make_plan(trace: ModelTrace, b: _Builder, sol: program.Solution, unit_nodes: dict[int, dict[str, int]], t_build: float, settings: Settings) -> Plan:
+    chosen = [b.strategies[i][c] for i, c in enumerate(sol.choice)]
+    micro = settings.microbatches
+    units = []
+    params: dict[str, dict[str, Any]] = {}
+    for unit in trace.units:
+        ids = unit_nodes[unit.kind]
+        n_p, n_b = len(unit.param_names), len(unit.buffer_names)
+        phs = [n for n in unit.gm.graph.nodes if n.op == "placeholder"]
+        storage = {name: list(chosen[ids[n.name]].outs[0]) for name, n in zip(unit.param_names, phs[:n_p])}
+        inputs = [list(chosen[ids[n.name]].outs[0]) for n in phs[n_p + n_b :]]
+        nodes = []
+        for node in unit.gm.graph.nodes:
+            op = canonical_op(node)
+            if op is None:
+                continue
+            s = chosen[ids[node.name]]
+            nodes.append({"op": op, "name": node.name, "ins": [list(x) for x in s.ins], "outs": [list(x) for x in s.outs]})
+        units.append({"modules": unit.modules, "inputs": inputs, "params": storage, "nodes": nodes})
+        for name, ph in zip(unit.param_names, phs[:n_p]):
+            compute = _compute_spec(ph, chosen, ids)
+            prefix = re.sub(r"\.\d+$", ".*", unit.modules[0]) if len(unit.modules) > 1 else unit.modules[0]
+            pattern = f"{prefix}.{name}"
+            params[pattern] = {"shape": list(ph.meta["val"].shape), "count": len(unit.modules),
+                               "storage": storage[name], "compute": compute}
+    comm: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0, "time_s": 0.0})
+    for edge, (src_keys, dst_keys, table) in zip(b.edges, b.edge_info):
+        for direction, kind, nbytes, t in table[(src_keys[sol.choice[edge.src]], dst_keys[sol.choice[edge.dst]])][1]:
+            entry = comm[f"{kind} ({direction})"]
+            entry["count"] += micro * 1
+            entry["bytes"] += micro * nbytes
+            entry["time_s"] += micro * t
+    memory = sum(b.nodes[i].memory[c] for i, c in enumerate(sol.choice) if b.nodes[i].memory is not None)
+    comm_time = sum(v["time_s"] for v in comm.values())
+    compute = sum(b.nodes[i].costs[c] for i, c in enumerate(sol.choice)) * micro
+    data = {
+        "version": 1,
+        "mesh": {"names": list(b.mesh.names), "shape": list(b.mesh.shape), "solver_dims": list(b.mesh.solver_names)},
+        "batch_spec": list(b.mesh.batch_spec()),
+        "units": units,
+        "params": params,
+        "fallbacks": sorted({f"{op} in {mod}" for op, mod in b.fallbacks}),
+        "predicted": {
+            "compute_and_optimizer_s": compute, "communication_s": comm_time,
+            "communication": {k: dict(v) for k, v in sorted(comm.items())},
+            "memory_per_rank_bytes": memory, "memory_budget_bytes": settings.memory_budget,
+            "objective_s": sol.objective * micro,
+        },
+        "program": {"variables": sol.variables, "constraints": sol.constraints, "method": sol.method,
+                    "lp_integral": sol.lp_integral, "build_s": t_build + sol.build_s, "solve_s": sol.solve_s,
+                    "strategy_queries": b.enum.calls if b.enum else 0, "strategy_cache_hits": b.enum.hits if b.enum else 0},
+    }
+    return Plan(data)
+
+
+_FOLLOW = {"t", "transpose", "view", "_unsafe_view", "alias", "detach"}
+
+
+def _compute_spec(ph: fx.Node, chosen: list[Strategy], ids: dict[str, int]) -> list[str]:
+    """The layout a parameter is used in by its first real op, seen through transposes/views/casts."""
+    node, swapped = ph, False
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        op = canonical_op(user)
+        if op is not None and op not in _FOLLOW:
+            spec = chosen[ids[user.name]].ins[tensor_args(user).index(node)]
+            if swapped:
+                spec = tuple({"S0": "S1", "S1": "S0"}.get(p, p) for p in spec)
+            return list(spec)
+        if op in ("t", "transpose"):
+            swapped = not swapped
+        node = user
+    return list(chosen[ids[ph.name]].outs[0])
+
+
+def plan_model(model: torch.nn.Module, batch_shape: tuple[int, int], param_dtype: torch.dtype, device: torch.device,
+               mesh: MeshInfo, solver_mesh: DeviceMesh | None, settings: Settings) -> Plan:
+    """Trace a meta-device model and solve its placement on `mesh`."""
+    from .trace import trace_model
+
+    t0 = time.perf_counter()
+    trace = trace_model(model, batch_shape, param_dtype, device)
+    t1 = time.perf_counter()
+    plan = build_and_solve(trace, mesh, solver_mesh, settings)
+    plan.data["program"]["trace_s"] = t1 - t0
+    plan.data["program"]["total_s"] = time.perf_counter() - t0
+    return plan

@@ -1,0 +1,177 @@
+"""The placement program, solved with HiGHS.
+
+One binary x[n,s] per node strategy (exactly one per node). An edge from a producer output to a
+consumer argument prices a redistribution that depends on the producer's output layout (group o)
+and on the layout plus gradient layout the consumer asks for (group k). Instead of one variable per
+strategy pair, an edge gets one variable y[e,o,k] per *layout* pair with marginal rows
+    sum_k y[e,o,k] = sum_{s in o} x[p,s]     and     sum_o y[e,o,k] = sum_{s in k} x[c,s],
+the local-polytope formulation whose LP relaxation is integral in practice (AutoParallel's finding;
+see NOTES.md). An edge whose one side has a single layout folds its cost into the other side's x.
+Layout pairs that cannot be redistributed (to Partial) get no variable, so they cannot be chosen.
+The memory budget is one row over the parameters' x. The LP is solved first; if some x is
+fractional, the same program is solved as a MIP.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import highspy
+import numpy as np
+
+from ..config import ConfigError
+
+
+@dataclass
+class ProgramNode:
+    costs: list[float]
+    memory: list[float] | None = None
+
+
+@dataclass
+class ProgramEdge:
+    src: int
+    dst: int
+    src_group: list[int]
+    dst_group: list[int]
+    cost: list[list[float]]
+    """cost[o][k]; math.inf where layout o cannot become layout k."""
+
+
+@dataclass
+class Solution:
+    choice: list[int]
+    objective: float
+    variables: int
+    constraints: int
+    build_s: float
+    solve_s: float
+    lp_integral: bool
+    method: str
+
+
+@dataclass
+class _Builder:
+    col_cost: list[float] = field(default_factory=list)
+    col_ub: list[float] = field(default_factory=list)
+    rows: list[tuple[list[int], list[float], float, float]] = field(default_factory=list)
+
+    def add_col(self, cost: float, ub: float = 1.0) -> int:
+        self.col_cost.append(cost)
+        self.col_ub.append(ub)
+        return len(self.col_cost) - 1
+
+
+def solve(nodes: list[ProgramNode], edges: list[ProgramEdge], memory_budget: float | None, time_limit_s: float = 300.0) -> Solution:
+    t0 = time.perf_counter()
+    b = _Builder()
+    constant = 0.0
+    extra = [[0.0] * len(n.costs) for n in nodes]
+    banned = [[False] * len(n.costs) for n in nodes]
+
+    for e in edges:
+        n_o, n_k = max(e.src_group) + 1, max(e.dst_group) + 1
+        if n_o == 1 or n_k == 1:
+            single_src = n_o == 1
+            side, groups = (e.dst, e.dst_group) if single_src else (e.src, e.src_group)
+            for s, g in enumerate(groups):
+                c = e.cost[0][g] if single_src else e.cost[g][0]
+                if math.isinf(c):
+                    banned[side][s] = True
+                else:
+                    extra[side][s] += c
+            continue
+        e.__dict__["_pairs"] = [(o, k) for o in range(n_o) for k in range(n_k) if not math.isinf(e.cost[o][k])]
+
+    x: list[list[int]] = []
+    for i, n in enumerate(nodes):
+        costs = [c + x_ for c, x_ in zip(n.costs, extra[i])]
+        allowed = [s for s in range(len(costs)) if not banned[i][s]]
+        if not allowed:
+            raise ConfigError("autoparallel: no layout satisfies every constraint of some node; this model cannot be placed on this mesh")
+        if len(costs) == 1:
+            constant += costs[0]
+            x.append([-1])
+            continue
+        x.append([b.add_col(c, 0.0 if banned[i][s] else 1.0) for s, c in enumerate(costs)])
+        b.rows.append((x[i], [1.0] * len(costs), 1.0, 1.0))
+
+    def group_row(node: int, groups: list[int], g: int) -> tuple[list[int], list[float]]:
+        cols = [x[node][s] for s, gs in enumerate(groups) if gs == g]
+        return cols, [-1.0] * len(cols)
+
+    for e in edges:
+        pairs = e.__dict__.pop("_pairs", None)
+        if pairs is None:
+            continue
+        y = {p: b.add_col(e.cost[p[0]][p[1]], 1.0) for p in pairs}
+        n_o, n_k = max(e.src_group) + 1, max(e.dst_group) + 1
+        for o in range(n_o):
+            cols, vals = group_row(e.src, e.src_group, o)
+            ys = [y[p] for p in pairs if p[0] == o]
+            b.rows.append((ys + cols, [1.0] * len(ys) + vals, 0.0, 0.0))
+        for k in range(n_k):
+            cols, vals = group_row(e.dst, e.dst_group, k)
+            ys = [y[p] for p in pairs if p[1] == k]
+            b.rows.append((ys + cols, [1.0] * len(ys) + vals, 0.0, 0.0))
+
+    fixed_memory = 0.0
+    if memory_budget is not None:
+        cols, vals = [], []
+        for i, n in enumerate(nodes):
+            if n.memory is None:
+                continue
+            if x[i] == [-1]:
+                fixed_memory += n.memory[0]
+            else:
+                cols += x[i]
+                vals += n.memory
+        if cols:
+            b.rows.append((cols, vals, -math.inf, memory_budget - fixed_memory))
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    h.setOptionValue("time_limit", time_limit_s)
+    n_cols = len(b.col_cost)
+    if n_cols == 0:
+        return Solution([0] * len(nodes), constant, 0, 0, time.perf_counter() - t0, 0.0, True, "trivial")
+    inf = highspy.kHighsInf
+    h.addVars(n_cols, np.zeros(n_cols), np.asarray(b.col_ub, dtype=np.float64))
+    h.changeColsCost(n_cols, np.arange(n_cols, dtype=np.int32), np.asarray(b.col_cost, dtype=np.float64))
+    starts, index, value, lower, upper = [], [], [], [], []
+    for cols, vals, lo, up in b.rows:
+        starts.append(len(index))
+        index += cols
+        value += vals
+        lower.append(-inf if math.isinf(lo) else lo)
+        upper.append(inf if math.isinf(up) else up)
+    h.addRows(len(b.rows), np.asarray(lower), np.asarray(upper), len(index), np.asarray(starts, dtype=np.int32),
+              np.asarray(index, dtype=np.int32), np.asarray(value, dtype=np.float64))
+    t1 = time.perf_counter()
+    h.run()
+    status = h.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
+        raise Infeasible()
+    values = np.asarray(h.getSolution().col_value)
+    xcols = [c for xs in x if xs != [-1] for c in xs]
+    integral = bool(np.all(np.minimum(np.abs(values[xcols]), np.abs(1 - values[xcols])) < 1e-6))
+    method = "LP"
+    if not integral:
+        h.changeColsIntegrality(len(xcols), np.asarray(xcols, dtype=np.int32),
+                                np.asarray([highspy.HighsVarType.kInteger] * len(xcols)))
+        h.run()
+        if h.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
+            raise Infeasible()
+        values = np.asarray(h.getSolution().col_value)
+        method = "MIP"
+    t2 = time.perf_counter()
+    choice = [0 if xs == [-1] else int(np.argmax(values[xs])) for xs in x]
+    objective = h.getInfo().objective_function_value + constant
+    return Solution(choice, objective, n_cols, len(b.rows), t1 - t0, t2 - t1, integral, method)
+
+
+class Infeasible(Exception):
+    """The memory row cannot be met; the caller knows the smallest budget that can."""

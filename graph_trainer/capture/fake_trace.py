@@ -1,0 +1,64 @@
+"""Trace the train step of any model size on a fake process group: no GPUs, no real ranks, no
+parameter memory. The model stays on the meta device; only shapes flow through the trace.
+
+This is what plan-only runs and graph inspection of 8B/70B configs on a CPU machine build on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from .. import models
+from ..config import JobConfig
+from ..parallel import apply_activation_checkpointing
+from ..parallel.mesh import Meshes, build_meshes, resolve_degrees
+from ..train_step import FunctionalTrainStep, named_buffers
+from .fx_trace import trace_train_step
+
+
+@dataclass
+class FakeTrace:
+    graph: fx.GraphModule
+    meshes: Meshes
+    model: torch.nn.Module
+    trace_s: float
+
+
+def init_fake_process_group(world_size: int) -> None:
+    """One process standing in for rank 0 of `world_size` ranks; collectives are never executed."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def trace_on_fake_mesh(cfg: JobConfig, world_size: int) -> FakeTrace:
+    """Place the model as `train` would (manual or solver plan), then trace one microbatch on fake tensors."""
+    from ..placement import place_model
+    from ..trainer import cross_entropy, mixed_precision
+
+    init_fake_process_group(world_size)
+    p, t = cfg.parallelism, cfg.training
+    degrees = resolve_degrees(p.dp_replicate, p.dp_shard, p.tp, p.ep, world_size)
+    meshes = build_meshes(degrees, "cpu")
+    spec = models.get_spec(cfg.model.name)
+    args = spec.args_for(cfg.model.flavor, t.seq_len, cfg.model.n_layers)
+    device = torch.device("cpu")
+    # Plans are for the GPU: "auto" precision resolves as it would there.
+    mp = mixed_precision(cfg, torch.device("cuda"))
+    model = place_model(models.build_on_meta(spec, args, "cpu"), spec, args, meshes, mp, cfg)
+    apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    local_batch = t.batch_size // (degrees.dp * t.gradient_accumulation_steps)
+    step = FunctionalTrainStep(model, cross_entropy, 1.0 / t.gradient_accumulation_steps)
+    params = [q.to_local() for q in model.parameters() if q.requires_grad]
+    _, buffers = named_buffers(model)
+    tokens = torch.empty(local_batch, t.seq_len, dtype=torch.long, device="meta")
+    start = time.perf_counter()
+    graph = trace_train_step(step, params, buffers, tokens, tokens, device)
+    return FakeTrace(graph, meshes, model, time.perf_counter() - start)

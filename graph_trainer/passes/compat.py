@@ -1,0 +1,43 @@
+"""The private torch APIs the Inductor and CUDA-graph passes use, imported in one place.
+
+Checked on torch 2.11 (GPU machine) and 2.13 (CPU): `standalone_compile(gm, example_inputs, *,
+dynamic_shapes, options, aot)` has those keywords in both (2.13 adds more, unused here);
+`regional_inductor(gm, *example_args)` compiles each region with `standalone_compile(...,
+dynamic_shapes="from_tracing_context", aot=True)` in both; `_use_cuda_memory_pool_manager(device,
+pool, stream)` is the same context manager in both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._inductor import standalone_compile
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.regional_inductor import regional_inductor
+except ImportError as e:  # pragma: no cover  (only on a torch outside the supported range)
+    raise ImportError(
+        f"graph-trainer's Inductor passes need torch 2.11-2.13 private APIs; torch {torch.__version__} lacks one ({e}); "
+        "use --compile.inductor_compilation none"
+    ) from e
+
+
+def use_cuda_memory_pool(device: int, pool: tuple[int, int], stream: torch.cuda.Stream):
+    """Allocations of the current thread go to `pool`, on `stream` (for the CUDA-graph warm-up)."""
+    from torch._inductor.cudagraph_trees import _use_cuda_memory_pool_manager
+
+    return _use_cuda_memory_pool_manager(device, pool, stream)
+
+
+__all__ = [
+    "FakeTensorMode",
+    "TracingContext",
+    "detect_fake_mode",
+    "regional_inductor",
+    "select_decomp_table",
+    "standalone_compile",
+    "tracing",
+    "use_cuda_memory_pool",
+]

@@ -1,0 +1,117 @@
+"""Inductor passes: decompose a graph into Inductor's op set, compile all of it, or compile only the
+regions the model marked (graph_trainer/regions.py).
+
+The graphs these passes get hold fake tensors in `node.meta["val"]` (make_fx and AOTAutograd put them
+there); compiling from those needs no real memory and matches the traced shapes exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx import traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..regions import REGION_KEY
+from .compat import (
+    FakeTensorMode,
+    TracingContext,
+    detect_fake_mode,
+    regional_inductor,
+    select_decomp_table,
+    standalone_compile,
+    tracing,
+)
+from .registry import GRAPH_MODES, Compiled, PassContext, PassSpec, register_pass
+
+
+def fake_inputs(gm: fx.GraphModule, ctx: PassContext) -> list[Any]:
+    """The graph's inputs as fake tensors that do not require grad: the placeholders' traced values,
+    or fakes of the context's example inputs where a placeholder has none."""
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    if all(v is not None for v in vals):
+        return [v.detach() if isinstance(v, torch.Tensor) else v for v in vals]
+    mode = detect_fake_mode(ctx.example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    return [mode.from_tensor(x.detach()) if isinstance(x, torch.Tensor) else x for x in ctx.example_inputs]
+
+
+def inductor_decomposition(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Retrace the graph through Inductor's decomposition table, keeping each node's metadata (region
+    marks, seq_nr, stack traces) on the ops it decomposes into."""
+    inputs = fake_inputs(gm, ctx)
+    mode = detect_fake_mode(inputs)
+    with mode, fx_traceback.preserve_node_meta():
+        return make_fx(fx.Interpreter(gm).run, decomposition_table=select_decomp_table(), tracing_mode="real")(*inputs)
+
+
+def full_inductor_compilation(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
+    """Compile the whole graph, collectives included, with Inductor."""
+    inputs = fake_inputs(gm, ctx)
+    # Under no_grad AOTAutograd inside Inductor compiles an inference graph: the backward is already in it.
+    with torch.no_grad():
+        compiled = standalone_compile(gm, inputs, dynamic_shapes="from_graph")
+    return Compiled(compiled, gm)
+
+
+def _is_collective(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.namespace in ("_c10d_functional", "c10d_functional")
+
+
+def regional_inductor_pass(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
+    """Compile each marked region with Inductor; everything else keeps running as FX.
+
+    Collectives leave the regions first: outside, they run asynchronously with their wait where the
+    graph (and the bucketing passes before this one) put it; inside a compiled region they would be
+    waited on within it.
+    """
+    marked = 0
+    for node in gm.graph.nodes:
+        custom = node.meta.get("custom")
+        if custom and REGION_KEY in custom:
+            if _is_collective(node):
+                node.meta["custom"] = {k: v for k, v in custom.items() if k != REGION_KEY}
+            else:
+                marked += 1
+    if not marked:
+        raise RuntimeError(
+            "regional_inductor found no op marked for Inductor in the graph: mark the model with "
+            "graph_trainer.regions.annotate_regions before it is traced, or use --compile.inductor_compilation full"
+        )
+    inputs = fake_inputs(gm, ctx)
+    # The regions are compiled with the dynamic-shape facts of the ambient tracing context: ours has
+    # the graph's fake mode, whose shapes are static.
+    with torch.no_grad(), tracing(TracingContext(detect_fake_mode(inputs))):
+        compiled = regional_inductor(gm, *inputs)
+    return Compiled(compiled, compiled, boxed=True)
+
+
+register_pass(PassSpec(
+    name="inductor_decomposition",
+    description="retrace the graph with Inductor's decomposition table (every node in Inductor's op set)",
+    stages=("joint", "forward", "backward", "train_step"),
+    modes=GRAPH_MODES,
+    fn=inductor_decomposition,
+))
+
+register_pass(PassSpec(
+    name="full_inductor_compilation",
+    description="compile the whole graph (collectives included) with Inductor",
+    stages=("forward", "backward", "train_step"),
+    modes=GRAPH_MODES,
+    fn=full_inductor_compilation,
+    requires=("inductor_decomposition",),
+    compiles=True,
+))
+
+register_pass(PassSpec(
+    name="regional_inductor",
+    description="compile only the regions the model marks (graph_trainer/regions.py) with Inductor",
+    stages=("forward", "backward", "train_step"),
+    modes=GRAPH_MODES,
+    fn=regional_inductor_pass,
+    conflicts=("full_inductor_compilation",),
+    compiles=True,
+))

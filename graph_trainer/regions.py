@@ -1,0 +1,126 @@
+"""Regions of the model that `regional_inductor` compiles: each block's attention (FlexAttention
+needs Inductor to be fast) or feed-forward, marked while the train step is traced.
+
+The mark is `torch.fx.traceback.annotate({"compile_with_inductor": ...})` around the module's
+forward: every op traced inside it carries `node.meta["custom"]["compile_with_inductor"]` (the
+tracer must run under `preserve_node_meta`). Outside a trace the wrapper only enters a context
+manager, so eager and the other backends are unaffected.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+from torch.fx import traceback as fx_traceback
+from torch.fx.traceback import annotate
+from torch.overrides import TorchFunctionMode
+
+REGION_KEY = "compile_with_inductor"
+REGION_MODULES = ("attention", "feed_forward")
+
+
+def region_tag(module_name: str) -> dict[str, Any]:
+    return {REGION_KEY: {"region": module_name}}
+
+
+def _annotated(forward: Callable[..., Any], tag: dict[str, Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with annotate(tag):
+            return forward(*args, **kwargs)
+
+    return wrapper
+
+
+def annotate_regions(model: nn.Module, modules: tuple[str, ...] = ("attention",)) -> nn.Module:
+    """Mark the named submodule (`attention`, `feed_forward`) of every transformer block that has one
+    (DeepSeek V3's MoE blocks have no `feed_forward`).
+
+    The wrapper is set on each instance, not on the class, so two models in one process (a
+    reference and a placed copy) do not share marks.
+    """
+    unknown = set(modules) - set(REGION_MODULES)
+    assert not unknown, f"unknown region modules {sorted(unknown)}; choose from {REGION_MODULES}"
+    marked = 0
+    for block in model.layers.values():
+        for name in modules:
+            sub = getattr(block, name, None)
+            if sub is not None:
+                sub.forward = _annotated(sub.forward, region_tag(name))
+                marked += 1
+    assert marked, f"no transformer block of {type(model).__name__} has a submodule named {' or '.join(modules)}"
+    return model
+
+
+def _autograd_nodes(outputs: Any) -> Iterator[Any]:
+    tensors = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
+    todo = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen = set(todo)
+    while todo:
+        node = todo.pop()
+        yield node
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+
+
+def _enter_backward_of(seq_nr: int) -> Callable[[Any], None]:
+    return lambda grad_outputs: fx_traceback.set_grad_fn_seq_nr(seq_nr)
+
+
+def _leave_backward(grad_inputs: Any, grad_outputs: Any) -> None:
+    fx_traceback.reset_grad_fn_seq_nr()
+
+
+class BackwardSeqNr(TorchFunctionMode):
+    """While a train step is traced (under `preserve_node_meta`): each op that `torch.autograd.grad`
+    records gets the `seq_nr` of the forward op it differentiates, as AOTAutograd arranges for its
+    joint graph. Without it make_fx numbers backward ops apart from forward ones."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.autograd.grad:
+            for node in _autograd_nodes(kwargs["outputs"] if "outputs" in kwargs else args[0]):
+                node.register_prehook(_enter_backward_of(node._sequence_nr()))
+                node.register_hook(_leave_backward)
+        return func(*args, **kwargs)
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+def copy_marks_to_backward(gm: fx.GraphModule) -> None:
+    """Give each backward op of a train-step graph `(…) -> (loss, *grads)` the `custom` marks of the
+    forward op it differentiates, so a marked region is compiled in backward too.
+
+    make_fx records the marks only where the annotated forward ran; autograd's backward ops carry the
+    `seq_nr` of their forward op instead (AOTAutograd copies marks the same way for its joint graph).
+    Forward ops are the loss's ancestors; among forward ops sharing a `seq_nr` (ops that create no
+    autograd node reuse the previous one's) the first is the one differentiated.
+    """
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    forward = _ancestors(output.args[0][0])
+    first: dict[int, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node in forward and "seq_nr" in node.meta:
+            first.setdefault(node.meta["seq_nr"], node)
+    for node in gm.graph.nodes:
+        if node in forward or node.op in ("placeholder", "output"):
+            continue
+        source = first.get(node.meta.get("seq_nr"))
+        custom = source.meta.get("custom") if source is not None else None
+        if custom:
+            node.meta["custom"] = {**node.meta.get("custom", {}), **custom}

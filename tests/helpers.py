@@ -1,0 +1,79 @@
+"""Shared test helpers: run the CLI in subprocesses (one rank or torchrun) and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 900
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def launch(args: list[str], nproc: int = 1, timeout: int = TIMEOUT_S, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`graph-trainer <args>` on one process, or under torchrun with `nproc` ranks."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "graph_trainer", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), "-m", "graph_trainer", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env or child_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(dump_folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(dump_folder) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def run_train(args: list[str], dump_folder: Path, nproc: int = 1, timeout: int = TIMEOUT_S) -> list[dict]:
+    """Train and return the metrics records; fails the test with the run's output tail on error."""
+    proc = launch(["train", "--job.dump_folder", str(dump_folder), *args], nproc=nproc, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return read_metrics(dump_folder)
+
+
+def losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records]
+
+
+def grad_norms(records: list[dict]) -> list[float]:
+    return [r["grad_norm"] for r in records]
+
+
+
+_RUNS: dict[tuple, Path] = {}
+_RUN_ROOT: list[Path] = []
+
+
+def cached_run(args: tuple[str, ...], nproc: int = 1) -> Path:
+    """Train once per (args, nproc) per test process and return the dump folder: parity tests share
+    their reference runs."""
+    import tempfile
+
+    key = (args, nproc)
+    if key not in _RUNS:
+        if not _RUN_ROOT:
+            _RUN_ROOT.append(Path(tempfile.mkdtemp(prefix="gt-runs-")))
+        folder = _RUN_ROOT[0] / f"run{len(_RUNS)}"
+        run_train(list(args), folder, nproc=nproc)
+        _RUNS[key] = folder
+    return _RUNS[key]
+
+
+def cached_train(args: tuple[str, ...], nproc: int = 1) -> list[dict]:
+    return read_metrics(cached_run(args, nproc))
