@@ -49,6 +49,10 @@ def _deepseek_v3() -> ModelSpec:
     for name, args in deepseekv3_args.items():
         args = copy.deepcopy(args)
         args.moe_impl = "standard"
+        if name in ("16B", "236B", "671B"):
+            # torchtitan gives these FlexAttention with document masks, which need a BlockMask per
+            # batch; our step feeds packed sequences under one causal mask, which SDPA does.
+            args.attn_type, args.attn_mask_type = "sdpa", "causal"
         flavors[name] = args
     return ModelSpec("deepseek_v3", flavors, DeepSeekV3Model, is_moe=True)
 

@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from . import models
-from .checkpoint import Checkpointer, CheckpointError, any_rank, state_shapes
 from .capture import CaptureContext, build_step
+from .checkpoint import Checkpointer, CheckpointError, any_rank, state_shapes
 from .config import JobConfig, to_toml
+from .data.random_tokens import random_batch
 from .data import TokenLoader, build_tokenizer, read_documents
 from .metrics import MetricsLogger, reset_peak_memory
 from .parallel import apply_activation_checkpointing
@@ -124,6 +125,8 @@ def set_determinism(cfg: JobConfig, device: torch.device) -> None:
     if cfg.training.deterministic:
         if device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            # cuDNN attention's backward is non-deterministic even in deterministic mode (it only warns).
+            torch.backends.cuda.enable_cudnn_sdp(False)
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
@@ -220,11 +223,10 @@ class GraphTrainer:
             local = {"local_batch_size": self.loader.local_batch_size, "dp_degree": self.loader.dp_degree}
             self.loader.load_state_dict({**state["loader"], **local})
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.training.random_tokens:
-            g = torch.Generator().manual_seed(self.cfg.training.seed * 1_000_003 + self.step)
-            tokens = torch.randint(0, self.model.vocab_size, (self.local_batch, self.cfg.training.seq_len + 1), generator=g)
-            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+            inputs, labels = random_batch(self.cfg.training.seed, self.step, micro, self.meshes.dp_rank(),
+                                          self.local_batch, self.cfg.training.seq_len, self.model.vocab_size)
         else:
             inputs, labels = self.loader.next_batch()
         return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
@@ -233,8 +235,8 @@ class GraphTrainer:
         """One optimizer step: microbatches through the captured step, clip, update."""
         self.optimizers.zero_grad()
         loss = torch.zeros((), device=self.device)
-        for _ in range(self.cfg.training.gradient_accumulation_steps):
-            inputs, labels = self.next_batch()
+        for micro in range(self.cfg.training.gradient_accumulation_steps):
+            inputs, labels = self.next_batch(micro)
             loss += self.step_fn(inputs, labels)
         params = [p for p in self.model.parameters() if p.grad is not None]
         from torchtitan.distributed.utils import clip_grad_norm_

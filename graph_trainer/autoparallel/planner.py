@@ -123,34 +123,40 @@ class _Builder:
         return mult * t, [(direction, kind, mult * b, mult * t / len(colls)) for kind, b in colls]
 
     def connect(self, value: _Value, uses: list[tuple[int, int, float]]) -> None:
-        """Edges from a value to the ops reading it. With several readers their gradients are summed
-        in an accumulator layout first (one more node), then sent back to the producer once."""
+        """Edges from a value to the ops reading it. With several readers the value is redistributed
+        once into a shared layout (a copy node) that the readers take from, and their gradients are
+        summed in an accumulator layout (another node) before going back to the producer once."""
         outs = [s.outs[value.out] for s in self.strategies[value.node]]
         share = value.latency_share
-        single = len(uses) == 1 or value.grad_nbytes is None
-        for dst, arg, mult in uses:
+        if len(uses) == 1:
+            dst, arg, mult = uses[0]
             strats = self.strategies[dst]
-            if value.grad_nbytes is None or not single:
-                keys = [s.ins[arg] for s in strats]
-                fwd_mult = mult / (1 if single else len(uses))
-                self.edge(value.node, outs, dst, keys, lambda o, r, m=fwd_mult: self._price(value.nbytes, o, r, share, m, "forward"))
-                continue
-            keys = [(s.ins[arg], grad_spec(s, arg)) for s in strats]
+            if value.grad_nbytes is None:
+                keys = [(s.ins[arg], None) for s in strats]
+            else:
+                keys = [(s.ins[arg], grad_spec(s, arg)) for s in strats]
 
-            def both(o: Spec, k: tuple, m: float = mult) -> tuple[float, list]:
-                t1, c1 = self._price(value.nbytes, o, k[0], share, m, "forward")
-                if math.isinf(t1):
-                    return t1, []
-                t2, c2 = self._price(value.grad_nbytes, k[1], backward_target(o, k[1]), share, m, "backward")
+            def both(o: Spec, k: tuple) -> tuple[float, list]:
+                t1, c1 = self._price(value.nbytes, o, k[0], share, mult, "forward")
+                if math.isinf(t1) or k[1] is None:
+                    return t1, c1
+                t2, c2 = self._price(value.grad_nbytes, k[1], backward_target(o, k[1]), share, mult, "backward")
                 return t1 + t2, c1 + c2
 
             self.edge(value.node, outs, dst, keys, both)
-        if single:
+            return
+        mult = uses[0][2]
+        copies = list(dict.fromkeys(outs + candidate_specs(value.shape, self.mesh.sizes)))
+        copy = self.add_node([Strategy((c,), (c,)) for c in copies], [0.0] * len(copies), (-1, "copy"))
+        self.edge(value.node, outs, copy, copies, lambda o, c: self._price(value.nbytes, o, c, share, mult, "forward"))
+        for dst, arg, m in uses:
+            keys = [s.ins[arg] for s in self.strategies[dst]]
+            self.edge(copy, copies, dst, keys, lambda c, r, m=m: self._price(value.nbytes, c, r, share, m, "forward"))
+        if value.grad_nbytes is None:
             return
         grads = {grad_spec(s, arg): None for dst, arg, _ in uses for s in self.strategies[dst]}
         layouts = list(dict.fromkeys(list(grads) + outs))
         acc = self.add_node([Strategy((a,), ()) for a in layouts], [0.0] * len(layouts), (-1, "grad-accumulator"))
-        mult = uses[0][2]
         for dst, arg, m in uses:
             gkeys = [grad_spec(s, arg) for s in self.strategies[dst]]
             self.edge(dst, gkeys, acc, layouts, lambda g, a, m=m: self._price(value.grad_nbytes, g, _into(g, a), share, m, "backward"))

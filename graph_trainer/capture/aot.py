@@ -5,10 +5,10 @@ its parameters, buffers and batch into one joint graph. The parameters are the m
 DTensor storage and AOTAutograd flattens each into its local shard, so the SimpleFSDP gathers run
 inside the trace and the graph holds the all-gathers of forward and the reduce-scatters of
 backward as ops. Stages, each dumped with `GraphDumper`: `joint`, the joint passes, then
-`min_cut_rematerialization_partition` splits it and `forward` / `backward` (and their passes) go
-through `aot_compile_joint_with_descriptors`. The result is an autograd function: calling it runs
-the forward graph, `loss.backward()` runs the backward graph and autograd adds the DTensor
-gradients into `param.grad`.
+`min_cut_rematerialization_partition` (through `compat.min_cut_partition`) splits it, and
+`forward` / `backward` (and their passes) go through `aot_compile_joint_with_descriptors`. The
+result is an autograd function: calling it runs the forward graph, `loss.backward()` runs the
+backward graph and autograd adds the DTensor gradients into `param.grad`.
 
 Shapes are baked in: a batch of a new shape exports again (`stats["retraces"]`); the graphs of every
 shape seen are kept.
@@ -36,7 +36,7 @@ from .compat import (
     aot_compile_joint_with_descriptors,
     aot_export_joint_with_descriptors,
     make_boxed_func,
-    min_cut_rematerialization_partition,
+    min_cut_partition,
 )
 
 
@@ -152,7 +152,7 @@ class AotStep:
             joint.graph_module = apply_passes(gm, self.pass_names, pass_context(self.ctx, gm, example, dumper), "joint")
             t2 = time.perf_counter()
             compiled = aot_compile_joint_with_descriptors(
-                joint, partition_fn=min_cut_rematerialization_partition, fw_compiler=forward, bw_compiler=backward
+                joint, partition_fn=min_cut_partition, fw_compiler=forward, bw_compiler=backward
             )
         t3 = time.perf_counter()
         params, buffers = dict(self.module.named_parameters()), dict(self.module.named_buffers())

@@ -7,7 +7,10 @@ keyword arguments past the first positional ones, because their keyword sets are
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import fx
 
 try:
     from torch._dynamo.backends.common import aot_autograd
@@ -31,5 +34,39 @@ __all__ = [
     "aot_compile_joint_with_descriptors",
     "aot_export_joint_with_descriptors",
     "make_boxed_func",
-    "min_cut_rematerialization_partition",
+    "min_cut_partition",
 ]
+
+
+def _is_opaque(node: Any) -> bool:
+    return isinstance(node, fx.Node) and not isinstance(node.meta.get("val"), (torch.Tensor, torch.SymInt))
+
+
+def min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """`min_cut_rematerialization_partition`, with the saved values put back in the order the
+    AOTAutograd runtime reads them: tensors, then opaque objects, then symints.
+
+    torch 2.13 flattens a DTensor into its local tensor and its device mesh (an opaque object), and
+    when activation checkpointing recomputes a seeded op (CPU SDPA) its RNG-state tensors are
+    appended after the saved opaque objects; the runtime then takes a mesh for a tensor ("expected
+    all tensors_saved_with_vc_check to be Tensors"). Such tensors are moved in front of the opaque
+    objects, in the forward outputs and in the backward inputs alike; otherwise nothing changes.
+    """
+    fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    output = fw.graph.find_nodes(op="output")[0]
+    saved = list(output.args[0][num_fwd_outputs:])
+    first = next((i for i, n in enumerate(saved) if _is_opaque(n)), None)
+    late = [] if first is None else [i for i in range(first, len(saved)) if isinstance(saved[i].meta.get("val"), torch.Tensor)]
+    if not late:
+        return fw, bw
+    order = list(range(first)) + late + [i for i in range(first, len(saved)) if i not in late]
+    output.args = (tuple(output.args[0][:num_fwd_outputs]) + tuple(saved[i] for i in order),)
+    # The backward takes the saved symints first, then the saved values in the forward's order.
+    inputs = list(bw.graph.find_nodes(op="placeholder"))
+    num_symints = sum(1 for n in saved if isinstance(n.meta.get("val"), torch.SymInt))
+    anchor = inputs[num_symints + first]
+    for i in late:
+        anchor.prepend(inputs[num_symints + i])
+    fw.recompile()
+    bw.recompile()
+    return fw, bw

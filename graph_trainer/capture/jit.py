@@ -34,7 +34,7 @@ from graph_trainer.backends import get_backend
 from ..graph_dump import GraphDumper
 from . import CaptureContext, register_capture
 from .aot import LossModule, StageCompiler, dump_folder
-from .compat import aot_autograd, min_cut_rematerialization_partition
+from .compat import aot_autograd, min_cut_partition
 
 
 class JitStep:
@@ -45,7 +45,7 @@ class JitStep:
         backend = aot_autograd(
             fw_compiler=self.compilers[0],
             bw_compiler=self.compilers[1],
-            partition_fn=min_cut_rematerialization_partition,
+            partition_fn=min_cut_partition,
         )
         self.module = torch.compile(LossModule(ctx.model, ctx.loss_fn, ctx.loss_scale), backend=backend, dynamic=False)
         self.captures = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from typing import Callable
+from dataclasses import dataclass
 
 from ..config import ConfigError, JobConfig
 from .registry import GRAPH_MODES, PassSpec, load_passes
@@ -48,67 +48,96 @@ def check_passes(cfg: JobConfig, device_type: str) -> None:
         if user.count(name) > 1:
             raise ConfigError(f"pass {name!r} is listed {user.count(name)} times in --compile.passes; list it once")
 
-    names = _backend_passes(cfg)
-    added = {n for n in names if n not in user}
+    for name in user:
+        if backend in passes[name].excluded_backends:
+            raise ConfigError(
+                f"pass {name!r} cannot run with --compile.inductor_compilation {backend}: it does its own "
+                f"{name.replace('_', ' ')}; remove {name!r} from --compile.passes"
+            )
 
-    def label(name: str) -> str:
-        return f"{name!r} (added by --compile.inductor_compilation {backend})" if name in added else repr(name)
-
-    if mode not in GRAPH_MODES and names:
-        first = names[0]
-        drop = "--compile.inductor_compilation none" if first in added else "drop --compile.passes"
-        raise ConfigError(
-            f"--compile.mode {mode} captures no graph, so pass {label(first)} cannot run; "
-            f"use --compile.mode aot_fx_trace (or jit/aot), or {drop}"
-        )
-    specs = [passes[n] for n in names]
-    for i, spec in enumerate(specs):
-        _check_one(i, specs, added, label, mode, backend, device_type)
-    for spec in specs:
+    plan = _Plan([passes[n] for n in _backend_passes(cfg)], set(user), mode, backend, device_type)
+    plan.check()
+    for spec in plan.specs:
         for key, value in spec.env_defaults:
             os.environ.setdefault(key, value)
 
 
-def _check_one(i: int, specs: list[PassSpec], added: set[str], label: Callable[[str], str], mode: str,
-               backend: str, device_type: str) -> None:
-    spec = specs[i]
-    name = spec.name
-    names = [s.name for s in specs]
-    other_backend = f"another --compile.inductor_compilation than {backend}"
-    if backend in spec.excluded_backends:
-        raise ConfigError(
-            f"pass {name!r} cannot run with --compile.inductor_compilation {backend}: it does its own "
-            f"{name.replace('_', ' ')}; remove {name!r} from --compile.passes"
-        )
-    if mode not in spec.modes:
-        remedy = f"use {other_backend}" if name in added else f"remove {name!r} from --compile.passes"
-        raise ConfigError(
-            f"pass {label(name)} does not support --compile.mode {mode}; use --compile.mode "
-            f"{' or '.join(spec.modes)}, or {remedy}"
-        )
-    if spec.cuda_only and device_type != "cuda":
-        raise ConfigError(f"pass {label(name)} needs a CUDA device and this run is on {device_type}; remove it from --compile.passes")
-    for j, other in enumerate(specs):
-        if j != i and (other.name in spec.conflicts or name in other.conflicts):
-            mine = [n for n in (name, other.name) if n not in added]
-            remedy = (f"remove {mine[0]!r} from --compile.passes or use {other_backend}" if len(mine) == 1
-                      else "remove one of them from --compile.passes")
-            raise ConfigError(f"pass {label(name)} conflicts with {label(other.name)}; {remedy}")
-    for req in spec.requires:
-        if req not in names:
-            raise ConfigError(f"pass {label(name)} requires {req!r}; add {req!r} before {name!r} in --compile.passes")
-        if names.index(req) > i:
-            raise ConfigError(f"pass {name!r} requires {req!r} to run before it; put {req!r} before {name!r} in --compile.passes")
-    later = specs[i + 1 :]
-    if spec.must_be_last and later:
-        raise ConfigError(
-            f"pass {name!r} must be the last pass but {label(later[0].name)} follows it; "
-            f"move {name!r} to the end of --compile.passes"
-        )
-    if spec.compiles:
-        for nxt in later:
+@dataclass
+class _Plan:
+    """The pass list that will run, and what it is checked against."""
+
+    specs: list[PassSpec]
+    user: set[str]
+    mode: str
+    backend: str
+    device_type: str
+
+    def label(self, name: str) -> str:
+        """A pass as errors name it: where it did not come from --compile.passes, who added it."""
+        return repr(name) if name in self.user else f"{name!r} (added by --compile.inductor_compilation {self.backend})"
+
+    def check(self) -> None:
+        if self.mode not in GRAPH_MODES and self.specs:
+            first = self.specs[0].name
+            drop = "drop --compile.passes" if first in self.user else "--compile.inductor_compilation none"
+            raise ConfigError(
+                f"--compile.mode {self.mode} captures no graph, so pass {self.label(first)} cannot run; "
+                f"use --compile.mode aot_fx_trace (or jit/aot), or {drop}"
+            )
+        for check in (self._support, self._conflicts, self._requires, self._last, self._after_compile):
+            for i in range(len(self.specs)):
+                check(i)
+
+    def _support(self, i: int) -> None:
+        spec = self.specs[i]
+        if self.mode not in spec.modes:
+            remedy = (f"remove {spec.name!r} from --compile.passes" if spec.name in self.user
+                      else f"use another --compile.inductor_compilation than {self.backend}")
+            raise ConfigError(
+                f"pass {self.label(spec.name)} does not support --compile.mode {self.mode}; use --compile.mode "
+                f"{' or '.join(spec.modes)}, or {remedy}"
+            )
+        if spec.cuda_only and self.device_type != "cuda":
+            raise ConfigError(
+                f"pass {self.label(spec.name)} needs a CUDA device and this run is on {self.device_type}; "
+                "remove it from --compile.passes"
+            )
+
+    def _conflicts(self, i: int) -> None:
+        spec = self.specs[i]
+        for other in self.specs[i + 1 :]:
+            if other.name in spec.conflicts or spec.name in other.conflicts:
+                mine = [n for n in (spec.name, other.name) if n in self.user]
+                remedy = (f"remove {mine[0]!r} from --compile.passes or use another --compile.inductor_compilation "
+                          f"than {self.backend}" if len(mine) == 1 else "remove one of them from --compile.passes")
+                raise ConfigError(f"pass {self.label(spec.name)} conflicts with {self.label(other.name)}; {remedy}")
+
+    def _requires(self, i: int) -> None:
+        name = self.specs[i].name
+        names = [s.name for s in self.specs]
+        for req in self.specs[i].requires:
+            if req not in names:
+                raise ConfigError(f"pass {self.label(name)} requires {req!r}; add {req!r} before {name!r} in --compile.passes")
+            if names.index(req) > i:
+                raise ConfigError(
+                    f"pass {name!r} requires {req!r} to run before it; put {req!r} before {name!r} in --compile.passes"
+                )
+
+    def _last(self, i: int) -> None:
+        if self.specs[i].must_be_last and i + 1 < len(self.specs):
+            name = self.specs[i].name
+            raise ConfigError(
+                f"pass {name!r} must be the last pass but {self.label(self.specs[i + 1].name)} follows it; "
+                f"move {name!r} to the end of --compile.passes"
+            )
+
+    def _after_compile(self, i: int) -> None:
+        if not self.specs[i].compiles:
+            return
+        name = self.specs[i].name
+        for nxt in self.specs[i + 1 :]:
             if not nxt.wraps_compiled:
                 raise ConfigError(
-                    f"pass {label(nxt.name)} transforms a graph but comes after {label(name)}, which compiles it; "
-                    f"put {nxt.name!r} before {name!r} in --compile.passes"
+                    f"pass {self.label(nxt.name)} transforms a graph but comes after {self.label(name)}, which "
+                    f"compiles it; put {nxt.name!r} before {name!r} in --compile.passes"
                 )

@@ -1,0 +1,259 @@
+"""GPU benchmark suites: torchtitan 0.2.2's own trainer and graph-trainer's modes/backends on the same
+device, model, batch and tokens, in one call. Writes `<out>/<date>-<suite>.json`, `.md` and PNG plots.
+
+    python bench/run.py --suite h100 --out $OUT          # one H100
+    python bench/run.py --suite h200x2 --out $OUT        # two H200 (nvidia-h200-x2)
+    python bench/run.py --suite h100 --tiny --out /tmp/b # CPU dry run of the graph-trainer runs
+
+Throughput is the median tokens/s per GPU of the steps after the warm-up; MFU is against the dense bf16
+peak of the spec sheet (989 TFLOP/s for H100 SXM and H200, torchtitan's table); peak memory is the
+allocator's peak active bytes for graph-trainer and the peak reserved bytes torchtitan logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WARMUP_STEPS = 3
+
+
+@dataclass
+class Run:
+    name: str
+    trainer: str  # "gt" or "titan"
+    nproc: int
+    args: list[str]
+    bitwise_with: str = ""
+    """Name of an earlier run whose losses this one must equal bit for bit."""
+    group: str = ""
+    results: dict = field(default_factory=dict)
+
+
+def _gt(name: str, group: str, base: list[str], extra: list[str], nproc: int = 1, bitwise_with: str = "") -> Run:
+    return Run(name, "gt", nproc, base + extra, bitwise_with, group)
+
+
+def _titan(name: str, group: str, flavor: str, batch: int, seq: int, steps: int, nproc: int, extra: list[str]) -> Run:
+    args = ["--model.name", "gt_llama3", "--model.flavor", flavor, "--training.local_batch_size", str(batch),
+            "--training.seq_len", str(seq), "--training.steps", str(steps), "--metrics.log_freq", "1",
+            "--model.hf_assets_path", str(REPO / "graph_trainer/data/assets"), "--experimental.custom_import",
+            "bench.titan_spec", "--activation_checkpoint.mode", "none", *extra]
+    return Run(name, "titan", nproc, args, group=group)
+
+
+def suite_h100(steps: int) -> list[Run]:
+    one_b = ["--model.flavor", "1B", "--training.seq_len", "4096", "--training.batch_size", "4", "--training.steps",
+             str(steps), "--training.random_tokens", "--training.no-deterministic", "--metrics.log_freq", "1"]
+    debug = ["--model.flavor", "debugmodel", "--training.seq_len", "2048", "--training.batch_size", "8",
+             "--training.steps", str(steps * 2), "--training.random_tokens", "--training.no-deterministic"]
+    # Bitwise pairs run deterministic kernels; batch 2 because unfused FX execution needs more memory.
+    bitwise_1b = ["--model.flavor", "1B", "--training.seq_len", "4096", "--training.batch_size", "2", "--training.steps",
+                  "5", "--training.random_tokens"]
+    trace = ["--compile.mode", "aot_fx_trace"]
+    return [
+        _titan("titan eager", "1B", "1B", 4, 4096, steps, 1, []),
+        _titan("titan compile", "1B", "1B", 4, 4096, steps, 1, ["--compile.enable"]),
+        _gt("gt eager", "1B", one_b, ["--compile.mode", "eager"]),
+        _gt("gt aot_fx_trace", "1B", one_b, trace, bitwise_with="gt eager"),
+        _gt("gt jit", "1B", one_b, ["--compile.mode", "jit"]),
+        _gt("gt aot full", "1B", one_b, ["--compile.mode", "aot", "--compile.inductor_compilation", "full"]),
+        _gt("gt aot_fx_trace full", "1B", one_b, trace + ["--compile.inductor_compilation", "full"]),
+        _gt("gt aot_fx_trace autoparallel_backend", "1B", one_b, trace + ["--compile.inductor_compilation", "autoparallel_backend"]),
+        _gt("gt aot_fx_trace full auto-placed", "1B", one_b, trace + ["--compile.inductor_compilation", "full", "--compile.autoparallel"]),
+        _gt("gt eager deterministic", "1B bitwise", bitwise_1b, ["--compile.mode", "eager"]),
+        _gt("gt aot_fx_trace deterministic", "1B bitwise", bitwise_1b, trace, bitwise_with="gt eager deterministic"),
+        _gt("gt debug eager", "debug", debug, ["--compile.mode", "eager", "--training.deterministic"]),
+        _gt("gt debug aot_fx_trace", "debug", debug, trace + ["--training.deterministic"], bitwise_with="gt debug eager"),
+        _gt("gt debug full", "debug", debug, trace + ["--compile.inductor_compilation", "full"]),
+        _gt("gt debug full + cudagraph", "debug", debug, trace + ["--compile.inductor_compilation", "full", "--compile.passes", "cudagraph"],
+            bitwise_with="gt debug full"),
+    ]
+
+
+def suite_h200x2(steps: int) -> list[Run]:
+    eight_b = ["--model.flavor", "8B", "--training.seq_len", "8192", "--training.batch_size", "2", "--training.steps",
+               str(steps), "--training.random_tokens", "--training.no-deterministic", "--parallelism.dp_shard", "2",
+               "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]
+    trace = ["--compile.mode", "aot_fx_trace"]
+    return [
+        _titan("titan eager", "8B", "8B", 1, 8192, steps, 2, ["--activation_checkpoint.mode", "selective"]),
+        _titan("titan compile", "8B", "8B", 1, 8192, steps, 2, ["--activation_checkpoint.mode", "selective", "--compile.enable"]),
+        _gt("gt eager", "8B", eight_b, ["--compile.mode", "eager"], nproc=2),
+        _gt("gt aot_fx_trace full + auto_bucketing", "8B", eight_b,
+            trace + ["--compile.inductor_compilation", "full", "--compile.passes", "auto_bucketing"], nproc=2),
+        _gt("gt aot_fx_trace autoparallel_backend", "8B", eight_b, trace + ["--compile.inductor_compilation", "autoparallel_backend"], nproc=2),
+        _gt("gt auto-placed autoparallel_backend", "8B", eight_b,
+            trace + ["--compile.inductor_compilation", "autoparallel_backend", "--compile.autoparallel"], nproc=2),
+    ]
+
+
+SUITES = {"h100": suite_h100, "h200x2": suite_h200x2}
+
+
+def _command(run: Run, dump: Path) -> list[str]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(run.nproc), "--master-port",
+                str(29500 + os.getpid() % 1000)]
+    if run.trainer == "gt":
+        return launcher + ["-m", "graph_trainer", "train", "--job.dump_folder", str(dump), *run.args]
+    return launcher + ["-m", "torchtitan.train", "--job.dump_folder", str(dump), *run.args]
+
+
+_TITAN_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+)%")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _records(run: Run, dump: Path, output: str) -> list[dict]:
+    if run.trainer == "gt":
+        path = dump / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    records = []
+    for line in _ANSI.sub("", output).splitlines():
+        m = _TITAN_LINE.search(line)
+        if m:
+            records.append({"step": int(m[1]), "loss": float(m[2]), "peak_memory_gib": float(m[3]),
+                            "tokens_per_second": float(m[4].replace(",", "")), "mfu": float(m[5])})
+    return records
+
+
+def _error_lines(output: str) -> str:
+    """The rank's own error lines, not torchrun's failure banner."""
+    lines = [l for l in output.splitlines() if re.search(r"(Error|error:|Exception)", l) and "elastic" not in l]
+    return "\n".join(lines[-6:]) or "\n".join(output.splitlines()[-15:])
+
+
+def summarize(run: Run, records: list[dict], wall_s: float, rc: int, tail: str) -> dict:
+    steady = [r for r in records if r["step"] > WARMUP_STEPS] or records
+    out = {"name": run.name, "group": run.group, "trainer": run.trainer, "nproc": run.nproc, "args": run.args,
+           "returncode": rc, "wall_s": round(wall_s, 1), "steps": len(records),
+           "losses": [r["loss"] for r in records]}
+    if not records:
+        out["error"] = tail
+        return out
+    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    out.update(
+        tokens_per_second=statistics.median(r["tokens_per_second"] for r in steady),
+        mfu=statistics.median(mfus) if mfus else None,
+        peak_memory_gib=max(r["peak_memory_gib"] for r in records),
+        time_to_first_step_s=records[0].get("time_to_first_step_s"),
+    )
+    return out
+
+
+def run_suite(runs: list[Run], out: Path, timeout: int) -> list[dict]:
+    results: list[dict] = []
+    for run in runs:
+        dump = out / "runs" / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{run.group}-{run.name}")
+        print(f"== {run.group}: {run.name}", flush=True)
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(_command(run, dump), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+            rc, output = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, output = -9, f"timed out after {timeout}s\n" + ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / "log.txt").write_text(output)
+        result = summarize(run, _records(run, dump, output), time.perf_counter() - start, rc, _error_lines(output))
+        if run.bitwise_with:
+            ref = next((r for r in results if r["name"] == run.bitwise_with and r["group"] == run.group), None)
+            result["bitwise_with"] = run.bitwise_with
+            result["bitwise_equal"] = bool(ref and ref["losses"] and ref["losses"] == result["losses"])
+        results.append(result)
+        print(json.dumps({k: v for k, v in result.items() if k not in ("losses", "args")}), flush=True)
+    for r in results:
+        base = next((b for b in results if b["group"] == r["group"] and b["name"] == "titan eager" and b.get("tokens_per_second")), None)
+        if base and r.get("tokens_per_second"):
+            r["ratio_to_titan_eager"] = r["tokens_per_second"] / base["tokens_per_second"]
+    return results
+
+
+def write_report(results: list[dict], suite: str, out: Path, device: str, command: str) -> Path:
+    stem = out / f"{datetime.date.today().isoformat()}-{suite}"
+    stem.with_suffix(".json").write_text(json.dumps({"suite": suite, "device": device, "command": command,
+                                                     "results": results}, indent=2) + "\n")
+    lines = [f"# {suite} on {device}", "", f"Command: `{command}`", "",
+             "| group | run | tokens/s/GPU | MFU % | peak mem GiB | first step s | vs titan eager | bitwise | status |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        def fmt(key, spec):
+            return format(r[key], spec) if r.get(key) is not None else "-"
+        bitwise = "-" if "bitwise_equal" not in r else ("yes" if r["bitwise_equal"] else f"NO (vs {r['bitwise_with']})")
+        status = "ok" if r.get("tokens_per_second") else "failed: " + (r.get("error", "").splitlines() or [""])[-1][:80].replace("|", "/")
+        lines.append(f"| {r['group']} | {r['name']} | {fmt('tokens_per_second', ',.0f')} | {fmt('mfu', '.1f')} | "
+                     f"{fmt('peak_memory_gib', '.1f')} | {fmt('time_to_first_step_s', '.0f')} | {fmt('ratio_to_titan_eager', '.2f')} | "
+                     f"{bitwise} | {status} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    _plot(results, stem)
+    return stem
+
+
+def _plot(results: list[dict], stem: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.get("tokens_per_second")]
+    if not ok:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(14, max(3, 0.45 * len(ok))))
+    labels = [f"{r['group']}: {r['name']}" for r in ok]
+    axes[0].barh(labels, [r["tokens_per_second"] for r in ok])
+    axes[0].set_xlabel("tokens/s per GPU (median, steady steps)")
+    axes[1].barh(labels, [r["peak_memory_gib"] for r in ok])
+    axes[1].set_xlabel("peak memory GiB")
+    axes[1].set_yticklabels([])
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=90)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=list(SUITES), required=True)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--only", default="", help="comma-separated run names (default: all)")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per run")
+    parser.add_argument("--tiny", action="store_true", help="CPU dry run: graph-trainer runs on the debug model, fp32")
+    a = parser.parse_args()
+    runs = SUITES[a.suite](a.steps)
+    if a.only:
+        wanted = set(a.only.split(","))
+        runs = [r for r in runs if r.name in wanted]
+    if a.tiny:
+        runs = [_tiny(r) for r in runs if r.trainer == "gt"]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    device = torch.cuda.get_device_name() + f" x{torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+    results = run_suite(runs, out, a.timeout)
+    stem = write_report(results, a.suite, out, f"{device}, torch {torch.__version__}", " ".join(["python", *sys.argv]))
+    print((stem.with_suffix(".md")).read_text())
+    return 0
+
+
+def _tiny(run: Run) -> Run:
+    args = list(run.args)
+    for flag, value in (("--model.flavor", "debugmodel"), ("--training.seq_len", "64"), ("--training.batch_size", "4"),
+                        ("--training.steps", "5")):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+    if "cudagraph" in args:
+        i = args.index("cudagraph")
+        del args[i - 1 : i + 1]
+    return Run(run.name, run.trainer, run.nproc, args + ["--training.mixed_precision_param", "float32"], run.bitwise_with, run.group)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""A torchtitan 0.2.2 train spec for the benchmarks, loaded with `--experimental.custom_import
+bench.titan_spec`: llama3 with our `1B` flavor (`--model.name gt_llama3`), fed the same random tokens
+graph-trainer's `--training.random_tokens` gives (graph_trainer.data.random_tokens)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.models.llama3 import get_train_spec
+from torchtitan.protocols.train_spec import register_train_spec
+
+from graph_trainer import models
+from graph_trainer.data.random_tokens import random_batch
+
+
+class SameTokens(BaseDataLoader):
+    def __init__(self, dp_rank: int, local_batch: int, seq_len: int, vocab_size: int, seed: int):
+        self.dp_rank, self.local_batch, self.seq_len, self.vocab_size, self.seed = dp_rank, local_batch, seq_len, vocab_size, seed
+        self.step = 0
+
+    def __iter__(self):
+        while True:
+            self.step += 1
+            inputs, labels = random_batch(self.seed, self.step, 0, self.dp_rank, self.local_batch, self.seq_len, self.vocab_size)
+            yield {"input": inputs}, labels
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
+def _build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite=True):
+    flavor = models.get_spec("llama3").flavors[job_config.model.flavor]
+    return SameTokens(dp_rank, job_config.training.local_batch_size, job_config.training.seq_len, flavor.vocab_size,
+                      job_config.debug.seed or 0)
+
+
+register_train_spec(
+    "gt_llama3",
+    dataclasses.replace(get_train_spec(), model_args=models.get_spec("llama3").flavors, build_dataloader_fn=_build_dataloader),
+)

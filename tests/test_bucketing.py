@@ -1,0 +1,331 @@
+"""The collective bucketing passes (auto_bucketing, transformer_block_bucketing, reshard_after_forward)
+and their cost model.
+
+Graph-level tests trace llama3 debugmodel's train step with dp_shard=2 in this process, on a fake
+process group of 2 ranks and meta tensors (no data, no communication): the same 57 all-gathers and
+57 reduce-scatters a torchrun run traces. Runs under torchrun (2 ranks, gloo) check that the bucketed
+graphs train bitwise like the unbucketed one: a bucket moves and reduces every element exactly as the
+per-parameter collective did (same ranks, same op, same order of the two operands).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from helpers import cached_run, grad_norms, losses, read_metrics
+
+from graph_trainer.config import ConfigError, parse_args
+from graph_trainer.graph_dump import BUCKET_META, summarize
+from graph_trainer.passes.block_bucketing import block_of
+from graph_trainer.passes.bucketing import (
+    SCHEDULE_META,
+    Bucket,
+    auto_bucketing,
+    find_collectives,
+    forward_end,
+    layout,
+    place,
+    rewrite,
+)
+from graph_trainer.passes.bucketing_compat import ALL_GATHER, REDUCE_SCATTER, WAIT
+from graph_trainer.passes.cost_model import CPU_GLOO, H100, CostModel, Transfer, prefix_times, simulate
+from graph_trainer.passes.registry import PassContext, apply_passes
+
+PARAMS = 57
+LAYERS = 6
+c10d = torch.ops._c10d_functional
+
+
+@pytest.fixture(scope="module")
+def fake_pg():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+def trace_llama(*flags: str) -> tuple[fx.GraphModule, PassContext]:
+    """llama3 debugmodel's train step with dp_shard=2 traced on meta tensors (needs `fake_pg`)."""
+    from graph_trainer import models
+    from graph_trainer.capture.fx_trace import trace_train_step
+    from graph_trainer.parallel.mesh import build_meshes, resolve_degrees
+    from graph_trainer.parallel.simple_fsdp import MixedPrecision
+    from graph_trainer.placement import place_model
+    from graph_trainer.trainer import cross_entropy
+    from graph_trainer.train_step import FunctionalTrainStep, named_buffers
+
+    cfg = parse_args(["--compile.mode", "aot_fx_trace", "--parallelism.dp_shard", "2", *flags])
+    meshes = build_meshes(resolve_degrees(1, 2, 1, 1, 2), "cpu")
+    spec = models.get_spec("llama3")
+    args = spec.args_for("debugmodel", 256, 0)
+    model = place_model(models.build_on_meta(spec, args, "cpu"), spec, args, meshes,
+                        MixedPrecision(torch.float32, torch.float32), cfg)
+    step = FunctionalTrainStep(model, cross_entropy)
+    params = [p.to_local() for p in model.parameters()]
+    _, buffers = named_buffers(model)
+    tokens = torch.zeros(4, 256, dtype=torch.long, device="meta")
+    gm = trace_train_step(step, params, buffers, tokens, tokens, torch.device("cpu"))
+    ctx = PassContext(cfg=cfg, meshes=meshes, device=torch.device("cpu"), num_params=len(params),
+                      num_buffers=len(buffers), param_fqns=[s.fqn for s in step.specs])
+    return gm, ctx
+
+
+def counts(gm: fx.GraphModule) -> dict[str, int]:
+    return {k: v["count"] for k, v in summarize(gm)["collectives"].items()}
+
+
+def bucket_sizes(gm: fx.GraphModule, target) -> list[int]:
+    return [n.meta.get(BUCKET_META, 1) for n in gm.graph.nodes if n.target is target]
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model
+
+
+def test_bigger_bucket_costs_less_per_byte():
+    model = CostModel(H100)
+    sizes = [2**k for k in range(10, 31, 4)]
+    per_byte = [model.per_byte_time("all_gather", s, 8) for s in sizes]
+    assert all(a > b for a, b in zip(per_byte, per_byte[1:]))
+    # one bucket beats the same bytes in separate collectives
+    assert model.collective_time("reduce_scatter", 64 << 20, 8) < 64 * model.collective_time("reduce_scatter", 1 << 20, 8)
+
+
+def test_saturating_bucket_has_ten_percent_latency():
+    for hw in (CPU_GLOO, H100):
+        model = CostModel(hw)
+        size = model.saturating_bytes("all_gather", 4)
+        latency = 3 * hw.intra_latency
+        assert latency / model.collective_time("all_gather", size, 4) == pytest.approx(0.1, rel=1e-3)
+
+
+def test_inter_host_link_is_slower():
+    from graph_trainer.passes.cost_model import Link
+
+    model = CostModel(H100, {"inner": Link(8, False), "outer": Link(8, True)})
+    assert model.collective_time("all_gather", 1 << 30, 8, "outer") > 5 * model.collective_time("all_gather", 1 << 30, 8, "inner")
+    assert model.collective_time("all_reduce", 1 << 20, 8, "inner") == pytest.approx(2 * model.collective_time("all_gather", 1 << 20, 8, "inner"))
+
+
+def test_simulation_hides_comm_behind_compute_only_when_issued_early():
+    prefix = prefix_times([1.0] * 10)
+    early = simulate(prefix, [Transfer(issue=2, wait=6, comm_s=3.0)])
+    late = simulate(prefix, [Transfer(issue=5, wait=6, comm_s=3.0)])
+    assert early.exposed_comm_s == 0 and early.step_s == 10
+    assert late.exposed_comm_s == pytest.approx(2.0) and late.step_s == pytest.approx(12.0)
+    # one stream: the second collective queues behind the first
+    queued = simulate(prefix, [Transfer(0, 9, 4.0), Transfer(1, 5, 2.0)])
+    assert queued.exposed_comm_s == pytest.approx(1.0)
+
+
+def test_roofline_counts_matmul_flops(fake_pg):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        gm = make_fx(lambda a, b: torch.relu(a @ b))(torch.empty(512, 1024), torch.empty(1024, 256))
+    mm, relu = [n for n in gm.graph.nodes if n.op == "call_function"]
+    model = CostModel(H100)
+    assert model.node_time(mm) == pytest.approx(2 * 512 * 1024 * 256 / H100.flops[torch.float32])
+    assert model.node_time(relu) == pytest.approx(2 * 512 * 256 * 4 / H100.mem_bw)
+    assert CostModel(H100, fused=True).node_time(relu) == pytest.approx(512 * 256 * 4 / H100.mem_bw)
+
+
+# ---------------------------------------------------------------------------------------------
+# The scheduler on a small graph
+
+
+def _two_layer_graph(group: str) -> fx.GraphModule:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(w1, w2, x):
+        a = c10d.wait_tensor(c10d.all_gather_into_tensor(w1, 2, group))
+        h = torch.relu(x @ a)
+        b = c10d.wait_tensor(c10d.all_gather_into_tensor(w2, 2, group))
+        y = h @ b
+        g2 = c10d.wait_tensor(c10d.reduce_scatter_tensor(h.t() @ y, "avg", 2, group))
+        g1 = c10d.wait_tensor(c10d.reduce_scatter_tensor(x.t() @ (y @ b.t()), "avg", 2, group))
+        return y.sum().detach(), g1, g2
+
+    with FakeTensorMode():
+        return make_fx(step)(torch.empty(512, 1024), torch.empty(512, 1024), torch.empty(4096, 1024))
+
+
+@pytest.mark.parametrize("hw, before", [(CPU_GLOO, "relu"), (H100, "mm")])
+def test_scheduler_moves_all_gather_before_the_compute_it_overlaps(fake_pg, hw, before):
+    """The second weight's gather is traced right before its use; the scheduler issues it just early
+    enough for the model's compute to hide it: behind the relu on the CPU model (its relu takes
+    longer than the gather), behind the first matmul on the H100 model (its relu is too short)."""
+    gm = _two_layer_graph(fake_pg)
+    colls = find_collectives(gm)
+    assert [c.kind for c in colls] == ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]
+    model = CostModel(hw)
+    lay = layout(gm, colls, model)
+    buckets = [Bucket([c]) for c in colls]
+    place(buckets, lay, model)
+    second = buckets[1]
+    assert lay.prefix[second.need] - lay.prefix[second.issue] >= model.collective_time("all_gather", second.nbytes, 2)
+    rewrite(gm, buckets, lay)
+    order = [n.target for n in gm.graph.nodes]
+    second_gather = [i for i, t in enumerate(order) if t is ALL_GATHER][1]
+    first_mm, relu = order.index(torch.ops.aten.mm.default), order.index(torch.ops.aten.relu.default)
+    if before == "relu":
+        assert first_mm < second_gather < relu
+    else:
+        assert second_gather < first_mm
+
+
+def test_merged_collectives_keep_shapes_and_carry_bucket_size(fake_pg):
+    gm = _two_layer_graph(fake_pg)
+    colls = find_collectives(gm)
+    model = CostModel(CPU_GLOO)
+    lay = layout(gm, colls, model)
+    buckets = [Bucket(colls[:2]), Bucket(colls[2:])]
+    place(buckets, lay, model)
+    rewrite(gm, buckets, lay)
+    assert bucket_sizes(gm, ALL_GATHER) == [2] and bucket_sizes(gm, REDUCE_SCATTER) == [2]
+    (ag,) = [n for n in gm.graph.nodes if n.target is ALL_GATHER]
+    assert ag.meta["val"].shape == (2 * 2 * 512 * 1024,)
+    out = list(gm.graph.nodes)[-1].args[0]
+    assert [o.meta["val"].shape for o in out[1:]] == [(512, 1024), (512, 1024)]
+
+
+# ---------------------------------------------------------------------------------------------
+# llama3 debugmodel's traced train step
+
+
+def test_traced_step_has_one_collective_per_parameter(fake_pg):
+    gm, ctx = trace_llama()
+    assert counts(gm) == {"all_gather": PARAMS, "reduce_scatter": PARAMS}
+    assert len(find_collectives(gm)) == 2 * PARAMS
+
+
+def test_auto_bucketing_buckets_and_prefetches(fake_pg):
+    gm, ctx = trace_llama()
+    gm = auto_bucketing(gm, ctx)
+    got = counts(gm)
+    assert got["all_gather"] < PARAMS and got["reduce_scatter"] < PARAMS
+    assert sum(bucket_sizes(gm, ALL_GATHER)) == PARAMS and sum(bucket_sizes(gm, REDUCE_SCATTER)) == PARAMS
+    plan = gm.meta[SCHEDULE_META]
+    assert plan["estimated_exposed_comm_s"] < plan["unscheduled_exposed_comm_s"]
+    # every all-gather is issued ahead of the node that first uses it
+    assert all(lead > 0 for lead in plan["issue_lead_positions"])
+
+
+def test_block_of():
+    assert block_of("layers.3.attention.wq.weight") == 3
+    assert block_of("model.layers.12._checkpoint_wrapped_module.ffn.w1.weight") == 12
+    assert block_of("tok_embeddings.weight") is None and block_of("norm.weight") is None
+    assert block_of("extra_layers.1.weight") is None
+
+
+def test_transformer_block_bucketing_one_bucket_per_block(fake_pg):
+    gm, ctx = trace_llama("--parallelism.reshard_after_forward", "never")
+    gm = apply_passes(gm, ["reshard_after_forward", "transformer_block_bucketing"], ctx, "train_step")
+    # 6 blocks; non-block parameters: [tok_embeddings] before the blocks, [norm, output] after them.
+    assert counts(gm) == {"all_gather": LAYERS + 2, "reduce_scatter": LAYERS + 2}
+    assert sorted(bucket_sizes(gm, ALL_GATHER)) == [1, 2, *[9] * LAYERS]
+    assert sorted(bucket_sizes(gm, REDUCE_SCATTER)) == [1, 2, *[9] * LAYERS]
+    # prefetch: block i+1's gather is issued before block i's gather is waited for
+    order = list(gm.graph.nodes)
+    starts = [i for i, n in enumerate(order) if n.target is ALL_GATHER]
+    waits = [i for i, n in enumerate(order) if n.target is WAIT and n.args[0].target is ALL_GATHER]
+    assert all(start_next < wait for start_next, wait in zip(starts[1:], waits))
+
+
+def _gathered_alive_across_loss(gm: fx.GraphModule) -> int:
+    """Bytes of parameters gathered for forward (waited for before the loss) that backward reads, so
+    they live across the loss. (A backward gather prefetched during the loss is not one of them.)"""
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    boundary = forward_end(gm)
+    alive = 0
+    for wait in (n for n in gm.graph.nodes if n.target is WAIT and n.args[0].target is ALL_GATHER and pos[n] < boundary):
+        ag = wait.args[0]
+        derived, frontier = set(), [wait]
+        while frontier:
+            node = frontier.pop()
+            for user in node.users:
+                if user.op == "call_function" and len(user.all_input_nodes) == 1 and user not in derived:
+                    derived.add(user)
+                    frontier.append(user)
+        if any(pos[u] > boundary for d in derived for u in d.users):
+            alive += ag.meta["val"].numel() * ag.meta["val"].element_size()
+    return alive
+
+
+def test_reshard_after_forward_gathers_again_for_backward(fake_pg):
+    gm, ctx = trace_llama()
+    gathered = sum(n.meta["val"].numel() * 4 for n in gm.graph.nodes if n.target is ALL_GATHER)
+    embedding = 2048 * 256 * 4
+    # every parameter but the embedding (its gradient does not read it) is read again in backward
+    assert _gathered_alive_across_loss(gm) == gathered - embedding
+    gm = apply_passes(gm, ["reshard_after_forward"], ctx, "train_step")
+    assert _gathered_alive_across_loss(gm) == 0
+    assert counts(gm) == {"all_gather": 2 * PARAMS - 1, "reduce_scatter": PARAMS}
+    # idempotent, and off with `never`
+    assert counts(apply_passes(gm, ["reshard_after_forward"], ctx, "train_step")) == counts(gm)
+    gm2, ctx2 = trace_llama("--parallelism.reshard_after_forward", "never")
+    assert counts(apply_passes(gm2, ["reshard_after_forward"], ctx2, "train_step"))["all_gather"] == PARAMS
+
+
+def test_reshard_then_block_bucketing_buckets_backward_gathers_per_block(fake_pg):
+    gm, ctx = trace_llama()
+    gm = apply_passes(gm, ["reshard_after_forward", "transformer_block_bucketing"], ctx, "train_step")
+    # forward: 6 blocks + [tok_embeddings] + [norm, output]; backward: 6 blocks + [norm, output]
+    assert counts(gm) == {"all_gather": 2 * LAYERS + 3, "reduce_scatter": LAYERS + 2}
+    assert _gathered_alive_across_loss(gm) == 0
+
+
+@pytest.mark.parametrize("passes, backend, message", [
+    (["auto_bucketing", "transformer_block_bucketing"], "none", "conflicts with"),
+    (["auto_bucketing"], "autoparallel_backend", "cannot run with --compile.inductor_compilation autoparallel_backend"),
+])
+def test_validator_refuses_two_schedulers(passes, backend, message):
+    from graph_trainer.passes.validate import check_passes
+
+    cfg = parse_args(["--compile.mode", "aot_fx_trace", "--compile.passes", ",".join(passes),
+                      "--compile.inductor_compilation", backend])
+    with pytest.raises(ConfigError, match=message):
+        check_passes(cfg, "cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Training under torchrun: bitwise parity with the unbucketed graph
+
+RUN = ("--training.steps", "3", "--training.batch_size", "4", "--training.seq_len", "64", "--metrics.log_freq", "1",
+       "--parallelism.dp_shard", "2", "--compile.mode", "aot_fx_trace", "--compile.dump_graphs")
+
+
+def _stage(folder: Path, name: str) -> dict:
+    stages = json.loads((folder / "graphs" / "summary.json").read_text())["stages"]
+    return next(s for s in stages if s["stage"] == name)
+
+
+def test_auto_bucketing_trains_bitwise_like_unbucketed():
+    base = cached_run(RUN, 2)
+    folder = cached_run((*RUN, "--compile.passes", "auto_bucketing"), 2)
+    assert {k: v["count"] for k, v in _stage(base, "traced")["collectives"].items()} == {"all_gather": PARAMS, "reduce_scatter": PARAMS}
+    bucketed = _stage(folder, "auto_bucketing")["collectives"]
+    assert bucketed["all_gather"]["count"] < PARAMS and bucketed["reduce_scatter"]["count"] < PARAMS
+    assert bucketed["all_gather"]["buckets"] > 0 and bucketed["reduce_scatter"]["buckets"] > 0
+    ref, got = read_metrics(base), read_metrics(folder)
+    assert len(got) == 3
+    assert losses(got) == losses(ref) and grad_norms(got) == grad_norms(ref)
+
+
+@pytest.mark.slow
+def test_reshard_and_block_bucketing_train_bitwise_like_unbucketed():
+    base = cached_run(RUN, 2)
+    folder = cached_run((*RUN, "--compile.passes", "reshard_after_forward,transformer_block_bucketing"), 2)
+    got = _stage(folder, "transformer_block_bucketing")["collectives"]
+    assert {k: v["count"] for k, v in got.items()} == {"all_gather": 2 * LAYERS + 3, "reduce_scatter": LAYERS + 2}
+    ref, run = read_metrics(base), read_metrics(folder)
+    assert losses(run) == losses(ref) and grad_norms(run) == grad_norms(ref)

@@ -1,0 +1,186 @@
+"""The pass registry's declared constraints: each one refused by `check_passes` with a one-line
+ConfigError naming the fix, two through the real CLI (exit 2, one line, no traceback), the
+native backends' pass lists, and the `--compile.list_passes` table."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import launch
+
+from graph_trainer.config import ConfigError, JobConfig
+from graph_trainer.passes.listing import COLUMNS, registry_table
+from graph_trainer.passes.registry import load_passes
+from graph_trainer.passes.validate import check_passes
+
+
+def cfg_for(passes: list[str], mode: str = "aot_fx_trace", backend: str = "none") -> JobConfig:
+    cfg = JobConfig()
+    cfg.compile.mode = mode
+    cfg.compile.passes = passes
+    cfg.compile.inductor_compilation = backend
+    return cfg
+
+
+def refused(passes: list[str], device: str = "cpu", **kw) -> str:
+    with pytest.raises(ConfigError) as e:
+        check_passes(cfg_for(passes, **kw), device)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+def test_unknown_pass_names_the_closest_valid_one():
+    msg = refused(["inductr_decomposition"])
+    assert "unknown pass 'inductr_decomposition'" in msg and "did you mean 'inductor_decomposition'" in msg
+
+
+def test_a_pass_listed_twice():
+    assert "list it once" in refused(["inductor_decomposition", "inductor_decomposition"])
+
+
+def test_missing_requirement():
+    msg = refused(["full_inductor_compilation"])
+    assert "requires 'inductor_decomposition'" in msg and "add 'inductor_decomposition' before" in msg
+
+
+def test_requirement_after_the_pass_that_needs_it():
+    msg = refused(["full_inductor_compilation", "inductor_decomposition"])
+    assert "put 'inductor_decomposition' before 'full_inductor_compilation'" in msg
+
+
+def test_conflict_between_user_passes():
+    msg = refused(["inductor_decomposition", "full_inductor_compilation", "regional_inductor"])
+    assert "conflicts with" in msg and "regional_inductor" in msg and "full_inductor_compilation" in msg
+
+
+def test_conflict_with_a_pass_the_backend_adds():
+    msg = refused(["regional_inductor"], backend="full")
+    assert "(added by --compile.inductor_compilation full)" in msg
+    assert "remove 'regional_inductor' from --compile.passes" in msg
+
+
+def test_pass_after_the_one_that_must_be_last():
+    msg = refused(["cudagraph", "inductor_decomposition"], device="cuda")
+    assert "'cudagraph' must be the last pass" in msg and "move 'cudagraph' to the end" in msg
+
+
+def test_must_be_last_also_behind_a_backend():
+    # the regional backend puts regional_inductor in front: cudagraph is still followed by a graph pass
+    msg = refused(["cudagraph", "inductor_decomposition"], device="cuda", backend="regional")
+    assert "'cudagraph' must be the last pass but 'inductor_decomposition' follows it" in msg
+
+
+def test_graph_pass_after_a_compiling_pass():
+    msg = refused(["regional_inductor", "inductor_decomposition"])
+    assert "transforms a graph but comes after 'regional_inductor'" in msg
+    assert "put 'inductor_decomposition' before 'regional_inductor'" in msg
+
+
+@pytest.mark.parametrize("passes", [["regional_inductor"], ["inductor_decomposition", "full_inductor_compilation"]])
+def test_any_pass_in_eager_mode(passes):
+    msg = refused(passes, mode="eager")
+    assert "--compile.mode eager captures no graph" in msg and "--compile.mode aot_fx_trace" in msg
+
+
+@pytest.mark.parametrize("backend", ["regional", "full"])
+def test_inductor_backend_in_eager_mode(backend):
+    msg = refused([], mode="eager", backend=backend)
+    assert f"(added by --compile.inductor_compilation {backend})" in msg and "--compile.inductor_compilation none" in msg
+
+
+def test_pass_the_mode_does_not_support():
+    msg = refused(["cudagraph"], mode="aot", device="cuda")
+    assert "'cudagraph' does not support --compile.mode aot" in msg and "--compile.mode aot_fx_trace" in msg
+
+
+def test_cuda_only_pass_on_cpu():
+    msg = refused(["cudagraph"])
+    assert "'cudagraph' needs a CUDA device and this run is on cpu" in msg
+
+
+@pytest.mark.parametrize("name", ["auto_bucketing", "transformer_block_bucketing"])
+def test_bucketing_refused_with_autoparallel_backend(name):
+    if name not in load_passes():
+        pytest.skip(f"{name} is not registered yet (passes/bucketing.py)")
+    msg = refused([name], backend="autoparallel_backend")
+    assert "it does its own" in msg and f"remove {name!r}" in msg
+
+
+def test_every_declared_backend_exclusion_is_enforced():
+    for spec in load_passes().values():
+        for backend in spec.excluded_backends:
+            assert "it does its own" in refused([spec.name], backend=backend)
+
+
+@pytest.mark.parametrize("passes, backend, device", [
+    ([], "none", "cpu"),
+    ([], "regional", "cpu"),
+    ([], "full", "cpu"),
+    (["inductor_decomposition"], "full", "cpu"),
+    (["full_inductor_compilation"], "full", "cpu"),
+    (["inductor_decomposition", "full_inductor_compilation", "cudagraph"], "none", "cuda"),
+    (["cudagraph"], "full", "cuda"),
+    (["cudagraph"], "regional", "cuda"),
+    (["cudagraph", "inductor_decomposition"], "full", "cuda"),
+    (["inductor_decomposition"], "regional", "cpu"),
+])
+def test_valid_combinations_pass(passes, backend, device, monkeypatch):
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "1")
+    check_passes(cfg_for(passes, backend=backend), device)
+
+
+def test_cudagraph_turns_nccl_graph_register_off_unless_set(monkeypatch):
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    check_passes(cfg_for(["cudagraph"]), "cuda")
+    import os
+
+    assert os.environ["NCCL_GRAPH_REGISTER"] == "0"
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "1")
+    check_passes(cfg_for(["cudagraph"]), "cuda")
+    assert os.environ["NCCL_GRAPH_REGISTER"] == "1"
+
+
+@pytest.mark.parametrize("backend, user, expected", [
+    ("none", ["cudagraph"], ["cudagraph"]),
+    ("regional", ["cudagraph"], ["regional_inductor", "cudagraph"]),
+    ("full", ["cudagraph"], ["inductor_decomposition", "full_inductor_compilation", "cudagraph"]),
+    ("full", ["full_inductor_compilation"], ["inductor_decomposition", "full_inductor_compilation"]),
+    ("none", ["cudagraph", "inductor_decomposition"], ["cudagraph", "inductor_decomposition"]),
+])
+def test_native_backend_pass_lists(backend, user, expected):
+    from graph_trainer.backends import get_backend
+
+    assert get_backend(backend).pass_names(user) == expected
+
+
+def test_registry_table_lists_every_pass_with_its_constraints():
+    table = registry_table().splitlines()
+    assert table[0].split() == list(COLUMNS)
+    rows = {line.split()[0]: line for line in table[2:]}
+    assert set(rows) == set(load_passes())
+    full = rows["full_inductor_compilation"].split()
+    assert full[1] == "forward,backward,train_step" and full[3] == "inductor_decomposition"
+    cudagraph = rows["cudagraph"].split()
+    assert cudagraph[2] == "aot_fx_trace" and cudagraph[5:7] == ["yes", "yes"]
+    assert rows["regional_inductor"].split()[4] == "full_inductor_compilation"
+
+
+def test_cli_lists_passes():
+    proc = launch(["train", "--compile.list_passes"], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == registry_table()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--compile.mode", "aot_fx_trace", "--compile.passes", "cudagraph"], "needs a CUDA device"),
+    (["--compile.mode", "aot_fx_trace", "--compile.inductor_compilation", "regional", "--compile.passes",
+      "inductor_decomposition,full_inductor_compilation"], "conflicts with"),
+])
+def test_cli_refuses_with_one_line(argv, needle, tmp_path):
+    proc = launch(["train", "--job.dump_folder", str(tmp_path / "out"), *argv], timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("graph-trainer: error:"), proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "out").exists()
