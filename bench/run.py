@@ -75,8 +75,9 @@ def suite_h100(steps: int) -> list[Run]:
         _gt("gt aot_fx_trace deterministic", "1B bitwise", bitwise_1b, trace, bitwise_with="gt eager deterministic"),
         _gt("gt debug eager", "debug", debug, ["--compile.mode", "eager", "--training.deterministic"]),
         _gt("gt debug aot_fx_trace", "debug", debug, trace + ["--training.deterministic"], bitwise_with="gt debug eager"),
-        _gt("gt debug full", "debug", debug, trace + ["--compile.inductor_compilation", "full"]),
-        _gt("gt debug full + cudagraph", "debug", debug, trace + ["--compile.inductor_compilation", "full", "--compile.passes", "cudagraph"],
+        _gt("gt debug full", "debug", debug, trace + ["--compile.inductor_compilation", "full", "--training.deterministic"]),
+        _gt("gt debug full + cudagraph", "debug", debug,
+            trace + ["--compile.inductor_compilation", "full", "--compile.passes", "cudagraph", "--training.deterministic"],
             bitwise_with="gt debug full"),
     ]
 
