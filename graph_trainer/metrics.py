@@ -42,7 +42,7 @@ def peak_memory_gib(device: torch.device) -> float:
 
 class MetricsLogger:
     def __init__(self, dump_folder: str, is_rank0: bool, total_steps: int, flops_per_token: int,
-                 device: torch.device, world_size: int, progress_bar: bool):
+                 device: torch.device, world_size: int, progress_bar: bool, first_step: int = 1):
         self.is_rank0 = is_rank0
         self.flops_per_token = flops_per_token
         self.device = device
@@ -52,7 +52,9 @@ class MetricsLogger:
         self.bar = None
         if is_rank0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            # A resumed run keeps the records of the steps before it; later ones belong to the abandoned run.
+            old = self.path.read_text().splitlines() if first_step > 1 and self.path.exists() else []
+            self.path.write_text("".join(line + "\n" for line in old if line and json.loads(line)["step"] < first_step))
             if progress_bar and sys.stderr.isatty():
                 from tqdm import tqdm
 

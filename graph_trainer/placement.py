@@ -15,4 +15,8 @@ from .parallel.simple_fsdp import MixedPrecision
 
 
 def place_model(model: nn.Module, spec: ModelSpec, args: Any, meshes: Meshes, mp: MixedPrecision, cfg: JobConfig) -> nn.Module:
-    return parallelize(model, spec, meshes, mp)
+    if cfg.compile.autoparallel:
+        from .autoparallel.entry import place
+
+        return place(model, spec, args, meshes, mp, cfg)
+    return parallelize(model, spec, meshes, mp, cfg.parallelism.moe_capacity_factor)

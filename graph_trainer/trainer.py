@@ -40,6 +40,8 @@ from .parallel.materialize import materialize
 from .parallel.mesh import Meshes, build_meshes, device_type, resolve_degrees
 from .parallel.simple_fsdp import MixedPrecision
 from .placement import place_model
+from .regions import annotate_regions
+from .passes.registry import run_teardowns
 
 logger = logging.getLogger("graph_trainer")
 
@@ -180,6 +182,7 @@ class GraphTrainer:
         reference = models.build_on_meta(spec, args, self.device.type)
         mp = mixed_precision(cfg, self.device)
         self.model = place_model(models.build_on_meta(spec, args, self.device.type), spec, args, self.meshes, mp, cfg)
+        annotate_regions(self.model)
         materialize(self.model, reference, self.device, t.seed)
         apply_activation_checkpointing(self.model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
         self.nparams, self.flops_per_token = models.nparams_and_flops_per_token(args, reference, t.seq_len)
@@ -258,7 +261,7 @@ class GraphTrainer:
         t = self.cfg.training
         tokens_per_step = self.local_batch * t.seq_len * t.gradient_accumulation_steps
         metrics = MetricsLogger(self.cfg.job.dump_folder, self.is_rank0, t.steps, self.flops_per_token,
-                                self.device, self.env.world_size, self.cfg.metrics.progress_bar)
+                                self.device, self.env.world_size, self.cfg.metrics.progress_bar, first_step=self.step + 1)
         records = []
         start = time.perf_counter()
         first = True
@@ -320,5 +323,6 @@ def run(cfg: JobConfig) -> list[dict]:
         _fail(f"a collective failed {where} ({first_line}); a peer rank died or did not answer within "
               f"--comm.timeout_seconds={cfg.comm.timeout_seconds}: see its log", _EXIT_COMM)
     finally:
+        run_teardowns()
         if dist.is_initialized():
             dist.destroy_process_group()

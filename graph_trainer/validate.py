@@ -97,6 +97,11 @@ def check_compile(cfg: JobConfig, device_type: str) -> None:
     from .passes.validate import check_passes
 
     check_passes(cfg, device_type)
+    from graph_trainer.backends.autoparallel import check_config
+
+    check_config(cfg)
+    if cfg.parallelism.moe_capacity_factor < 0:
+        raise ConfigError(f"parallelism.moe_capacity_factor must be >= 0 (0: never drop tokens), got {cfg.parallelism.moe_capacity_factor}")
 
 
 def check_activation_checkpoint(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
@@ -198,3 +203,23 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
         check(cfg, degrees)
     check_compile(cfg, device_type or detect_device())
     return degrees
+
+
+def check_autoparallel(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
+    c = cfg.compile
+    if c.autoparallel_plan and not c.autoparallel:
+        raise ConfigError("compile.autoparallel_plan needs --compile.autoparallel (the plan replaces the manual placement)")
+    if not c.autoparallel:
+        return
+    if c.autoparallel_impl == "meta":
+        raise ConfigError("compile.autoparallel_impl meta needs Meta's autoparallel package, which this install lacks; use --compile.autoparallel_impl builtin")
+    if models.get_spec(cfg.model.name).is_moe or degrees[3] > 1:
+        raise ConfigError(f"the built-in autoparallel solver handles dense models (llama3) only so far; drop --compile.autoparallel for {cfg.model.name}")
+    from .autoparallel.entry import check_plan_file, parse_memory_budget
+
+    parse_memory_budget(c.autoparallel_memory_budget, 1.0)
+    if c.autoparallel_plan:
+        check_plan_file(c.autoparallel_plan, cfg, degrees)
+
+
+_CHECKS_AFTER_MESH += (check_autoparallel,)

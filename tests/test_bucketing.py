@@ -329,3 +329,15 @@ def test_reshard_and_block_bucketing_train_bitwise_like_unbucketed():
     assert {k: v["count"] for k, v in got.items()} == {"all_gather": 2 * LAYERS + 3, "reduce_scatter": LAYERS + 2}
     ref, run = read_metrics(base), read_metrics(folder)
     assert losses(run) == losses(ref) and grad_norms(run) == grad_norms(ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, stage", [("aot", "joint_auto_bucketing"), ("jit", "backward_auto_bucketing")])
+def test_auto_bucketing_in_aot_and_jit_trains_bitwise_like_unbucketed(mode, stage):
+    base = cached_run(RUN, 2)
+    args = [a if a != "aot_fx_trace" else mode for a in RUN]
+    folder = cached_run((*args, "--compile.passes", "auto_bucketing"), 2)
+    got = _stage(folder, stage)["collectives"]
+    assert got["reduce_scatter"]["count"] < PARAMS and got["reduce_scatter"]["buckets"] > 0
+    ref, run = read_metrics(base), read_metrics(folder)
+    assert losses(run) == losses(ref) and grad_norms(run) == grad_norms(ref)

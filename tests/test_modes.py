@@ -1,6 +1,7 @@
 """The jit, aot and aot_fx_trace capture modes against eager: losses and grad norms bitwise equal
-(CPU, fp32, llama3 debugmodel) on 1 rank, dp_shard=2 and tp=2; aot's graph dumps; recapture on a
-batch of a new shape; registered passes run on the stages they declare and only there."""
+(CPU, fp32) for llama3 debugmodel on 1 rank, dp_shard=2, tp=2 and with full activation
+checkpointing, and for DeepSeek V3 debugmodel with ep=2; aot's graph dumps; recapture on a batch of
+a new shape; registered passes run on the stages they declare and only there."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from helpers import grad_norms, losses, run_train
 
 from graph_trainer.capture import CaptureContext, build_step
 from graph_trainer.config import JobConfig
-from graph_trainer.passes.registry import PassSpec, load_passes, register_pass
+from graph_trainer.passes.registry import PASSES, PassSpec, load_passes, register_pass
 from graph_trainer.trainer import GraphTrainer
 
 MODES = ("jit", "aot", "aot_fx_trace")
@@ -53,7 +54,7 @@ def test_parity_one_rank(tmp_path):
     assert [s["stage"] for s in _stages(tmp_path / "aot")] == ["joint", "forward", "backward"]
     for mode in ("jit", "aot"):
         first = runs[mode][0]
-        assert first["retraces"] == 0 and first["trace_s"] > 0 and first["compile_s"] >= 0, first
+        assert first["retraces"] == 0 and first["trace_s"] > 0 and "compile_s" in first, first
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,16 @@ def test_parity_activation_checkpointing_dp_shard_2(tmp_path):
     _assert_parity(_train_modes(tmp_path, ("jit", "aot"), args, nproc=2), 3)
 
 
+@pytest.mark.slow
+def test_parity_expert_parallel(tmp_path):
+    args = ["--config", "configs/deepseek_v3_debug.toml", "--training.steps", "3", "--parallelism.dp_shard", "2",
+            "--parallelism.ep", "2", *SMALL]
+    _assert_parity(_train_modes(tmp_path, ("jit", "aot"), args, nproc=2), 3)
+    for mode in ("jit", "aot"):
+        stages = {s["stage"]: s["collectives"] for s in _stages(tmp_path / mode)}
+        assert stages["forward"]["all_to_all"]["count"] > 0 and stages["backward"]["all_to_all"]["count"] > 0, mode
+
+
 # In-process checks on one rank (a process group over a HashStore).
 
 PROBE, TRAIN_STEP_ONLY = "test_modes_probe", "test_modes_train_step_only"
@@ -116,16 +127,19 @@ def _never(gm, ctx):
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    passes = load_passes()
-    if PROBE not in passes:
-        register_pass(PassSpec(PROBE, "records its context", ("joint", "forward", "backward"), ("jit", "aot"), _probe))
-        register_pass(PassSpec(TRAIN_STEP_ONLY, "must not run here", ("train_step",), ("aot_fx_trace",), _never))
+    load_passes()
+    register_pass(PassSpec(name=PROBE, description="records its context", stages=("joint", "forward", "backward"),
+                           modes=("jit", "aot"), fn=_probe))
+    register_pass(PassSpec(name=TRAIN_STEP_ONLY, description="must not run here", stages=("train_step",),
+                           modes=("aot_fx_trace",), fn=_never))
     cfg = JobConfig()
     cfg.training.batch_size, cfg.training.seq_len = 2, 32
     cfg.job.dump_folder = str(tmp_path_factory.mktemp("in_process"))
     t = GraphTrainer(cfg)
     yield t
     torch.distributed.destroy_process_group()
+    # Other test files list the registry: leave it as the package ships it.
+    del PASSES[PROBE], PASSES[TRAIN_STEP_ONLY]
 
 
 def _context(trainer: GraphTrainer, cfg: JobConfig) -> CaptureContext:
@@ -152,7 +166,7 @@ def test_new_shape_recaptures(trainer, mode):
         assert all(torch.equal(g, w) for g, w in zip(grads, want_grads)), (mode, length)
     # 32 -> 16 captures again; back to 32 reuses the first graphs.
     assert ctx.stats["retraces"] == 1
-    assert ctx.stats["trace_s"] > 0 and ctx.stats["compile_s"] >= 0
+    assert ctx.stats["trace_s"] > 0 and "compile_s" in ctx.stats
 
 
 @pytest.mark.parametrize("mode", ["jit", "aot"])

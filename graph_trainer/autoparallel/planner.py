@@ -19,10 +19,10 @@ from torch.utils.flop_counter import flop_registry
 
 from ..config import ConfigError
 from . import program
-from .costs import (OPTIMIZER_BYTES_PER_ELEMENT, CommModel, Hardware, backward_target, compute_time, grad_spec,
+from .costs import (OPTIMIZER_BYTES_PER_ELEMENT, CommModel, Hardware, backward_target, compute_time, grad_spec, mesh_bandwidths,
                     state_bytes_per_element)
 from .strategies import NodeStrategies, Spec, Strategy, StrategyEnumerator, candidate_specs, shard_factor, tensor_args, tensor_outputs
-from .trace import ModelTrace, UnitGraph
+from .trace import ModelTrace
 
 aten = torch.ops.aten
 GiB = 1024**3
@@ -99,7 +99,6 @@ class _Builder:
     edge_info: list[tuple[list, list, dict]] = field(default_factory=list)
     labels: list[tuple[int, str]] = field(default_factory=list)
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
-    flops: list[float] = field(default_factory=list)
 
     def add_node(self, strategies: list[Strategy], costs: list[float], label: tuple[int, str], memory: list[float] | None = None) -> int:
         self.nodes.append(program.ProgramNode(costs, memory))
@@ -120,7 +119,7 @@ class _Builder:
         t, colls = self.comm.redistribute(nbytes, src, dst, share)
         if math.isinf(t):
             return t, []
-        return mult * t, [(direction, kind, mult * b, mult * t / len(colls)) for kind, b in colls]
+        return mult * t, [(direction, kind, mult, mult * b, mult * t / len(colls)) for kind, b in colls]
 
     def connect(self, value: _Value, uses: list[tuple[int, int, float]]) -> None:
         """Edges from a value to the ops reading it. With several readers the value is redistributed
@@ -174,11 +173,12 @@ def _nbytes(t: torch.Tensor) -> float:
 
 
 def _flops(node: fx.Node) -> float:
-    target = node.target
-    packet = getattr(target, "overloadpacket", None)
-    if packet is aten._scaled_dot_product_flash_attention_for_cpu:
-        packet = aten._scaled_dot_product_flash_attention
-    fn = flop_registry.get(packet)
+    if canonical_op(node) == "attention":
+        # q [B, H, Sq, D] against k/v [B, Hkv, Skv, D]: two matmuls per query head (GQA shares k/v)
+        q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+        b, h, sq, d = q.shape
+        return 4.0 * b * h * sq * k.shape[2] * d
+    fn = flop_registry.get(getattr(node.target, "overloadpacket", None))
     if fn is None:
         return 0.0
     to_val = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731
@@ -193,8 +193,6 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
     t0 = time.perf_counter()
     sizes = mesh.sizes
     hw = settings.hw
-    from .costs import mesh_bandwidths
-
     comm = CommModel(sizes, mesh_bandwidths(mesh.shape, mesh.solver_dims, hw), hw.alpha_s)
     enum = StrategyEnumerator(solver_mesh, sizes) if solver_mesh is not None else None
     b = _Builder(mesh, settings, comm, enum)
@@ -264,9 +262,11 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
                 dtype = next((v.dtype for v in out_vals if v.is_floating_point()), torch.float32)
                 in_b = [v.nbytes for v in arg_values]
                 out_b = [_nbytes(v) for v in out_vals]
-                costs = [mult * compute_time(flops, in_b, out_b, s, sizes, dtype, hw, needs_grad) for s in strategies]
+                if getattr(node.target, "is_view", False) or canonical_op(node) in _FOLLOW:
+                    costs = [0.0] * len(strategies)  # a view moves no data
+                else:
+                    costs = [mult * compute_time(flops, in_b, out_b, s, sizes, dtype, hw, needs_grad) for s in strategies]
                 ids[node.name] = b.add_node(strategies, costs, (unit.kind, node.name))
-                b.flops.append(mult * flops * (3 if needs_grad else 1))
                 for i, v in enumerate(arg_values):
                     uses[(v.node, v.out)].append((ids[node.name], i, mult))
                     by_key[(v.node, v.out)] = v
@@ -364,9 +364,9 @@ def _make_plan(trace: ModelTrace, b: _Builder, sol: program.Solution, unit_nodes
                                "storage": storage[name], "compute": compute}
     comm: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0, "time_s": 0.0})
     for edge, (src_keys, dst_keys, table) in zip(b.edges, b.edge_info):
-        for direction, kind, nbytes, t in table[(src_keys[sol.choice[edge.src]], dst_keys[sol.choice[edge.dst]])][1]:
+        for direction, kind, count, nbytes, t in table[(src_keys[sol.choice[edge.src]], dst_keys[sol.choice[edge.dst]])][1]:
             entry = comm[f"{kind} ({direction})"]
-            entry["count"] += micro * 1
+            entry["count"] += micro * count
             entry["bytes"] += micro * nbytes
             entry["time_s"] += micro * t
     memory = sum(b.nodes[i].memory[c] for i, c in enumerate(sol.choice) if b.nodes[i].memory is not None)
@@ -392,7 +392,7 @@ def _make_plan(trace: ModelTrace, b: _Builder, sol: program.Solution, unit_nodes
     return Plan(data)
 
 
-_FOLLOW = {"t", "transpose", "view", "_unsafe_view", "alias", "detach"}
+_FOLLOW = {"t", "transpose", "view", "_unsafe_view", "alias", "detach", "permute", "expand", "unsqueeze", "squeeze"}
 
 
 def _compute_spec(ph: fx.Node, chosen: list[Strategy], ids: dict[str, int]) -> list[str]:

@@ -70,8 +70,9 @@ def solve(nodes: list[ProgramNode], edges: list[ProgramEdge], memory_budget: flo
     constant = 0.0
     extra = [[0.0] * len(n.costs) for n in nodes]
     banned = [[False] * len(n.costs) for n in nodes]
+    pairs_of: dict[int, list[tuple[int, int]]] = {}
 
-    for e in edges:
+    for ei, e in enumerate(edges):
         n_o, n_k = max(e.src_group) + 1, max(e.dst_group) + 1
         if n_o == 1 or n_k == 1:
             single_src = n_o == 1
@@ -83,7 +84,7 @@ def solve(nodes: list[ProgramNode], edges: list[ProgramEdge], memory_budget: flo
                 else:
                     extra[side][s] += c
             continue
-        e.__dict__["_pairs"] = [(o, k) for o in range(n_o) for k in range(n_k) if not math.isinf(e.cost[o][k])]
+        pairs_of[ei] = [(o, k) for o in range(n_o) for k in range(n_k) if not math.isinf(e.cost[o][k])]
 
     x: list[list[int]] = []
     for i, n in enumerate(nodes):
@@ -102,10 +103,8 @@ def solve(nodes: list[ProgramNode], edges: list[ProgramEdge], memory_budget: flo
         cols = [x[node][s] for s, gs in enumerate(groups) if gs == g]
         return cols, [-1.0] * len(cols)
 
-    for e in edges:
-        pairs = e.__dict__.pop("_pairs", None)
-        if pairs is None:
-            continue
+    for ei, pairs in pairs_of.items():
+        e = edges[ei]
         y = {p: b.add_col(e.cost[p[0]][p[1]], 1.0) for p in pairs}
         n_o, n_k = max(e.src_group) + 1, max(e.dst_group) + 1
         for o in range(n_o):

@@ -21,6 +21,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config import ConfigError
 from .compat import current_trace_graph
@@ -132,12 +133,29 @@ class _ModuleTimeline:
         return out
 
 
-def _trace_unit(fqn: str, module: nn.Module, args: tuple, kwargs: dict, param_dtype: torch.dtype, mode: FakeTensorMode, kind: int) -> UnitGraph:
+def _rms_norm(x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None = None, eps: float | None = None) -> tuple:
+    """The ops of ATen's composite rms_norm (what CPUs run), so that a plan traced on a CPU matches the
+    graph traced where CUDA would pick the fused kernel: the interpreter runs these ops there too."""
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    rstd = xf.pow(2).mean(dims, keepdim=True).add_(eps).rsqrt()
+    out = xf * rstd
+    if weight is not None:
+        out = out * weight
+    return out.to(x.dtype), rstd
+
+
+_DECOMPOSITIONS = {op.default: _rms_norm for op in [getattr(torch.ops.aten, "_fused_rms_norm", None)] if op is not None}
+
+
+def _trace_unit(fqn: str, module: nn.Module, args: tuple, kwargs: dict, param_dtype: torch.dtype, mode: FakeTensorMode, kind: int,
+                device: torch.device) -> UnitGraph:
     param_names = [n for n, _ in module.named_parameters()]
     buffer_names = [n for n, _ in module.named_buffers()]
     with mode:
-        fake_params = [torch.empty(p.shape, dtype=param_dtype if p.is_floating_point() else p.dtype) for _, p in module.named_parameters()]
-        fake_buffers = [torch.empty_strided(b.shape, b.stride(), dtype=b.dtype) for _, b in module.named_buffers()]
+        fake_params = [torch.empty(p.shape, dtype=param_dtype if p.is_floating_point() else p.dtype, device=device) for _, p in module.named_parameters()]
+        fake_buffers = [torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device=device) for _, b in module.named_buffers()]
     positions: list[int | str] = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     positions += [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
     tensors = [args[p] if isinstance(p, int) else kwargs[p] for p in positions]
@@ -155,8 +173,9 @@ def _trace_unit(fqn: str, module: nn.Module, args: tuple, kwargs: dict, param_dt
 
     timeline = _ModuleTimeline(module, fqn)
     try:
-        with mode:
-            gm = make_fx(fn, tracing_mode="real")(*fake_params, *fake_buffers, *tensors)
+        # DTensor's cuDNN-attention backward strategy is broken on torch 2.11: record another kernel
+        with mode, sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            gm = make_fx(fn, decomposition_table=_DECOMPOSITIONS, tracing_mode="real")(*fake_params, *fake_buffers, *tensors)
     except Exception as e:  # noqa: BLE001  (any failure becomes one line naming the module)
         where = timeline.stack[-1] if timeline.stack else fqn
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -210,7 +229,7 @@ def trace_model(model: nn.Module, inputs_shape: tuple[int, ...], param_dtype: to
                 keys[key] = len(graphs)
                 recording = module.__dict__.pop("forward")
                 try:
-                    graphs.append(_trace_unit(fqn, module, args, kwargs, param_dtype, mode, len(graphs)))
+                    graphs.append(_trace_unit(fqn, module, args, kwargs, param_dtype, mode, len(graphs), device))
                 finally:
                     module.forward = recording
             else:

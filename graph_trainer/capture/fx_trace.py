@@ -144,7 +144,9 @@ class TracedStep:
         if self.signature != self._signature(inputs, labels):
             self._build(inputs, labels)
         assert self.compiled is not None
-        out = self.compiled(*[p.to_local() for p in self.params], *self.buffers, inputs, labels)
+        # The graph computes its own gradients: autograd must not record it as well.
+        with torch.no_grad():
+            out = self.compiled(*[p.to_local() for p in self.params], *self.buffers, inputs, labels)
         accumulate_grads(self.params, self.fn.specs, out[1:])
         return out[0]
 

@@ -13,8 +13,10 @@ Whole model, not per transformer block, because:
 - the loss and the output projection join the same graph, so one backward graph covers the step;
 - it works unchanged for every placement: the SimpleFSDP gathers are attribute reads that Dynamo
   inlines (the DTensor redistribute and `to_local(grad_placements=...)` become AOTAutograd
-  collectives), TP's DTensor modules trace as DTensor ops, and what Dynamo cannot capture (MoE
-  routing with data-dependent split sizes) graph-breaks into a few smaller graphs instead of failing.
+  collectives), TP's DTensor modules trace as DTensor ops, and EP's dispatch has routing-independent
+  shapes, so each is one forward and one backward graph (checked: llama3 dp_shard=2 and tp=2,
+  DeepSeek V3 dp_shard=2 ep=2); what Dynamo cannot capture graph-breaks into several graphs, each
+  through the same compilers, instead of failing.
 The price is a compile that grows with depth (each block is traced, none is reused), which the
 whole-model aot and aot_fx_trace modes pay as well.
 

@@ -12,14 +12,14 @@ from .simple_fsdp import MixedPrecision, apply_simple_fsdp
 from .tensor_parallel import apply_tensor_parallel
 
 
-def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, mp: MixedPrecision) -> nn.Module:
+def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, mp: MixedPrecision, moe_capacity_factor: float = 0.0) -> nn.Module:
     """Place a meta-device model on the mesh by hand (the SimpleFSDP plan)."""
     if meshes.degrees.tp > 1:
         apply_tensor_parallel(model, spec.name, meshes.tp)
     if spec.is_moe:
         from .expert_parallel import prepare_moe
 
-        prepare_moe(model, meshes)
+        prepare_moe(model, meshes, moe_capacity_factor)
     return apply_simple_fsdp(model, meshes, mp)
 
 
@@ -34,6 +34,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, option: str) -> 
         torch.ops.aten._scaled_dot_product_efficient_attention.default,
         torch.ops.aten._scaled_dot_product_flash_attention.default,
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        torch.ops._c10d_functional.all_to_all_single.default,
         torch.ops.aten.max.default,
     }
     apply_ac(model, TitanAC(mode=mode, selective_ac_option=option), op_sac_save_list=save_list)

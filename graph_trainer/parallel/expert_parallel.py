@@ -79,7 +79,8 @@ class StaticDispatchMoE(MoE):
     def forward(self, x: Tensor) -> Tensor:
         plan = self._moe_plan
         tp = plan.tp_mesh
-        x_full = x.redistribute(tp, (Replicate(),)) if tp is not None else None
+        needs_full = tp is not None and (plan.experts_tp or self.shared_experts is not None)
+        x_full = x.redistribute(tp, (Replicate(),)) if needs_full else None
         if tp is None:
             tokens_in = x
         elif plan.experts_tp:

@@ -441,7 +441,7 @@ def schedule(gm: fx.GraphModule, buckets: list[Bucket], lay: Layout, model: Cost
     return gm
 
 
-def _saturating_cap(model: CostModel, scale: float = 1.0) -> Callable[[Collective], int]:
+def saturating_cap(model: CostModel, scale: float = 1.0) -> Callable[[Collective], int]:
     def cap(c: Collective) -> int:
         size = model.saturating_bytes(c.kind, c.group_size, c.group_name) * scale
         return int(min(size, model.hw.max_bucket_bytes))
@@ -455,7 +455,7 @@ def auto_bucketing(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     model = CostModel.for_context(ctx)
     lay = layout(gm, colls, model)
-    return schedule(gm, size_runs(colls, _saturating_cap(model)), lay, model, "auto_bucketing")
+    return schedule(gm, size_runs(colls, saturating_cap(model)), lay, model, "auto_bucketing")
 
 
 BUCKET_SCALES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
@@ -467,7 +467,7 @@ def choose_buckets(colls: list[Collective], lay: Layout, model: CostModel) -> li
     best: tuple[float, int] | None = None
     chosen: list[Bucket] = []
     for scale in BUCKET_SCALES:
-        buckets = size_runs(colls, _saturating_cap(model, scale))
+        buckets = size_runs(colls, saturating_cap(model, scale))
         place(buckets, lay, model)
         score = (round(estimate(buckets, lay, model).step_s, 9), len(buckets))
         if best is None or score < best:

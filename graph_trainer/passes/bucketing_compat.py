@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 try:
     from torch._inductor.fx_passes.bucketing import is_fsdp_all_gather as _is_fsdp_all_gather
     from torch._inductor.fx_passes.bucketing import is_fsdp_reduce_scatter as _is_fsdp_reduce_scatter
-except ImportError as e:  # pragma: no cover  (present from torch 2.9 on; the message names the fix)
+except ImportError as e:  # pragma: no cover  (present in 2.11 through 2.13; the message names the fix)
     raise ImportError(
         f"graph_trainer's bucketing passes need torch._inductor.fx_passes.bucketing (torch >= 2.11): {e}"
     ) from e
@@ -54,12 +54,13 @@ def _attention_flops(node: fx.Node) -> int | None:
     name = node.target._opname if isinstance(node.target, torch._ops.OpOverload) else ""
     if not name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
         return None
-    q, k = (a.meta.get("val") for a in node.args[:2])
+    backward = name.endswith("_backward")
+    q, k = (a.meta.get("val") for a in (node.args[1:3] if backward else node.args[:2]))
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
         return None
     b, h, sq, d = q.shape
     forward = 4 * b * h * sq * k.shape[-2] * d
-    return forward * 5 // 2 if name.endswith("_backward") else forward
+    return forward * 5 // 2 if backward else forward
 
 
 def node_flops(node: fx.Node) -> int:

@@ -20,7 +20,7 @@ from torch import fx
 
 from .bucketing import emit, find_collectives, forward_end
 from .bucketing_compat import ALL_GATHER, WAIT
-from .registry import PassContext, PassSpec, register_pass
+from .registry import GRAPH_MODES, PassContext, PassSpec, register_pass
 
 
 def enabled(ctx: PassContext) -> bool:
@@ -81,7 +81,9 @@ register_pass(PassSpec(
     name="reshard_after_forward",
     description="gather each FSDP parameter again for backward so forward's copy is freed "
                 "(follows parallelism.reshard_after_forward; run before bucketing)",
+    # Only the single train-step graph holds both uses; in aot/jit the partitioner decides what backward
+    # saves, and apply_passes skips this pass on their forward/backward graphs.
     stages=("train_step",),
-    modes=("aot_fx_trace",),
+    modes=GRAPH_MODES,
     fn=reshard_after_forward,
 ))

@@ -1,0 +1,224 @@
+"""Apply a plan: parameters become DTensors stored in the chosen layouts, and each unit's forward
+becomes an interpreter of its traced aten graph over DTensors that redistributes every argument to
+the layout the plan chose for that op before running it.
+
+Because the ops run as DTensor ops, autograd derives the backward (the reverse redistributions, the
+gradient reductions of parameters used Replicate on batch-sharded data) exactly as the cost model
+priced it, and `make_fx` (aot_fx_trace) turns the whole thing into one local graph with collectives.
+A value read by several ops is redistributed once per target layout. Ops DTensor has no strategy
+for run on the local (replicated) tensors: the declared fallback.
+
+Plans are matched to the graph traced here by canonical op names (planner.canonical_op), so a plan
+made on a CPU (plan command) applies to the graph traced on a GPU, where SDPA is another kernel and
+dtype casts may differ.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from ..config import ConfigError
+from . import compat
+from .planner import DP_DIMS, canonical_op
+from .strategies import placement_of
+from .trace import ModelTrace, UnitGraph
+
+
+def _placements(spec: list[str], mesh_names: list[str], solver_dims: list[str]) -> tuple:
+    by_name = dict(zip(solver_dims, spec))
+    return tuple(placement_of(by_name[n]) if n in by_name else Replicate() for n in mesh_names)
+
+
+class _GradScale(torch.autograd.Function):
+    """Identity forward; scales the gradient (each data-parallel rank's loss is a mean over its own
+    share of the batch, so the summed parameter gradients must be divided by the dp degree)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+class UnitRunner:
+    """Runs one unit's traced forward graph over DTensors, following the plan's per-op layouts."""
+
+    def __init__(self, unit: UnitGraph, plan_unit: dict, mesh: DeviceMesh, solver_dims: list[str],
+                 batch_spec: list[str], input_kinds: list[str], final: bool, dp_degree: int, mp: Any):
+        self.unit = unit
+        self.mesh = mesh
+        self.names = list(mesh.mesh_dim_names)
+        self.solver_dims = solver_dims
+        self.mp = mp
+        self.final = final
+        self.dp_degree = dp_degree
+        self.batch = _placements(batch_spec, self.names, solver_dims)
+        self.replicate = tuple(Replicate() for _ in self.names)
+        self.input_kinds = input_kinds
+        self.input_specs = [self._p(s) for s in plan_unit["inputs"]]
+        nodes = [n for n in unit.gm.graph.nodes if canonical_op(n) is not None]
+        planned = plan_unit["nodes"]
+        ours = [canonical_op(n) for n in nodes]
+        theirs = [n["op"] for n in planned]
+        if ours != theirs:
+            where = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            raise ConfigError(
+                f"autoparallel: the plan does not match the traced graph of {unit.modules[0]!r} (op {where}: "
+                f"{ours[where] if where < len(ours) else 'end'} here vs {theirs[where] if where < len(theirs) else 'end'} "
+                "in the plan); re-run `graph-trainer plan` for this model and torch version"
+            )
+        self.node_plan = {n.name: (tuple(self._p(s) for s in p["ins"]), tuple(self._p(s) for s in p["outs"]))
+                          for n, p in zip(nodes, planned)}
+
+    def _p(self, spec: list[str]) -> tuple:
+        return _placements(spec, self.names, self.solver_dims)
+
+    def _wrap(self, t: torch.Tensor, placements: tuple) -> DTensor:
+        return DTensor.from_local(t, self.mesh, placements, run_check=False)
+
+    def run(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        unit = self.unit
+        env: dict[str, Any] = {}
+        is_param: set[str] = set()
+        phs = [n for n in unit.gm.graph.nodes if n.op == "placeholder"]
+        n_p, n_b = len(unit.param_names), len(unit.buffer_names)
+        for name, ph in zip(unit.param_names, phs[:n_p]):
+            owner_name, _, short = name.rpartition(".")
+            env[ph.name] = (module.get_submodule(owner_name) if owner_name else module)._parameters[short]
+            is_param.add(ph.name)
+        for name, ph in zip(unit.buffer_names, phs[n_p : n_p + n_b]):
+            b = module.get_buffer(name)
+            env[ph.name] = b if isinstance(b, DTensor) else self._wrap(b, self.replicate)
+        for j, (pos, ph) in enumerate(zip(unit.input_positions, phs[n_p + n_b :])):
+            t = args[pos] if isinstance(pos, int) else kwargs[pos]
+            if not isinstance(t, DTensor):
+                t = self._wrap(t, self.batch if self.input_kinds[j] == "input" else self.replicate)
+            env[ph.name] = self._to(t, self.input_specs[j])
+        cache: dict[tuple[str, tuple], Any] = {}
+
+        def fetch(node: fx.Node, target: tuple | None) -> Any:
+            value = env[node.name]
+            if not isinstance(value, DTensor):
+                return value
+            if node.name in is_param:
+                key = (node.name, target)
+                if key not in cache:
+                    cache[key] = value.redistribute(self.mesh, target or value.placements, forward_dtype=self.mp.param_dtype,
+                                                    backward_dtype=self.mp.reduce_dtype)
+                return cache[key]
+            if target is None or tuple(value.placements) == target:
+                return value
+            key = (node.name, target)
+            if key not in cache:
+                cache[key] = self._to(value, target)
+            return cache[key]
+
+        for node in unit.gm.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "get_attr":
+                env[node.name] = self._wrap(getattr(unit.gm, node.target), self.replicate)
+                continue
+            if node.op == "output":
+                out = env[node.args[0][0].name] if isinstance(node.args[0], (list, tuple)) else env[node.args[0].name]
+                return self._finish(out)
+            if node.target is operator.getitem:
+                env[node.name] = env[node.args[0].name][node.args[1]]
+                continue
+            ins, outs = self.node_plan.get(node.name, (None, None))
+            counter = iter(range(1 << 30))
+
+            def load(a: Any) -> Any:
+                if not isinstance(a, fx.Node):
+                    return a
+                val = a.meta.get("val")
+                if not isinstance(val, torch.Tensor):
+                    return env[a.name]
+                i = next(counter)
+                return fetch(a, ins[i] if ins is not None else None)
+
+            call_args = torch.utils._pytree.tree_map(load, node.args, is_leaf=lambda x: isinstance(x, fx.Node))
+            call_kwargs = torch.utils._pytree.tree_map(load, dict(node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node))
+            if compat.strategy_kind(node.target) is None and _has_dtensor(call_args, call_kwargs):
+                result = self._run_local(node, call_args, call_kwargs)
+            else:
+                result = node.target(*call_args, **call_kwargs)
+            if outs is not None and isinstance(result, DTensor) and tuple(result.placements) != outs[0]:
+                if not any(p.is_partial() for p in outs[0]):
+                    result = self._to(result, outs[0])
+            env[node.name] = result
+        raise AssertionError("graph without output")
+
+    def _to(self, t: DTensor, placements: tuple) -> DTensor:
+        if tuple(t.placements) == tuple(placements):
+            return t
+        return t.redistribute(self.mesh, placements)
+
+    def _run_local(self, node: fx.Node, args: Any, kwargs: Any) -> Any:
+        """The fallback: every input replicated, the op runs on whole local tensors."""
+        to_local = lambda a: self._to(a, self.replicate).to_local() if isinstance(a, DTensor) else a  # noqa: E731
+        out = node.target(*torch.utils._pytree.tree_map(to_local, args), **torch.utils._pytree.tree_map(to_local, kwargs))
+        wrap = lambda t: self._wrap(t, self.replicate) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return torch.utils._pytree.tree_map(wrap, out)
+
+    def _finish(self, out: DTensor) -> Any:
+        if not self.final:
+            return out
+        local = self._to(out, self.batch).to_local(grad_placements=self.batch)
+        return _GradScale.apply(local, 1.0 / self.dp_degree) if self.dp_degree > 1 else local
+
+
+def _has_dtensor(args: Any, kwargs: Any) -> bool:
+    return any(isinstance(a, DTensor) for a in torch.utils._pytree.tree_leaves((args, kwargs)))
+
+
+_RUNNING_CLASSES: dict[type, type] = {}
+
+
+def _running_class(cls: type) -> type:
+    if cls not in _RUNNING_CLASSES:
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return self._ap_runner.run(self, args, kwargs)
+
+        _RUNNING_CLASSES[cls] = type(f"AutoParallel{cls.__name__}", (cls,), {"forward": forward})
+    return _RUNNING_CLASSES[cls]
+
+
+def apply_plan(model: nn.Module, plan: dict, trace: ModelTrace, mesh: DeviceMesh, mp: Any) -> nn.Module:
+    """Place a meta-device `model` (traced into `trace` on this device) as `plan` says."""
+    names = list(mesh.mesh_dim_names)
+    solver_dims = plan["mesh"]["solver_dims"]
+    dp_degree = math.prod(mesh.size(i) for i, n in enumerate(names) if n in DP_DIMS)
+    by_first = {u["modules"][0]: u for u in plan["units"]}
+    final_module = trace.calls[trace.output.call].module
+    input_kinds: dict[int, list[str]] = {}
+    for c in trace.calls:
+        input_kinds.setdefault(c.kind, [s.kind for s in c.sources])
+    for unit in trace.units:
+        plan_unit = by_first.get(unit.modules[0])
+        if plan_unit is None or plan_unit["modules"] != unit.modules:
+            raise ConfigError(f"autoparallel: the plan has no unit for modules {unit.modules[0]}..; it was made for another model")
+        for fqn in unit.modules:
+            module = model.get_submodule(fqn)
+            for rel in unit.param_names:
+                owner_name, _, short = rel.rpartition(".")
+                owner = module.get_submodule(owner_name) if owner_name else module
+                param = owner._parameters[short]
+                placements = _placements(plan_unit["params"][rel], names, solver_dims)
+                storage = distribute_tensor(torch.empty(param.shape, dtype=param.dtype, device="meta"), mesh, placements, src_data_rank=None)
+                owner._parameters[short] = nn.Parameter(storage, requires_grad=param.requires_grad)
+            module._ap_runner = UnitRunner(unit, plan_unit, mesh, solver_dims, plan["batch_spec"], input_kinds[unit.kind],
+                                           fqn == final_module, dp_degree, mp)
+            module.__class__ = _running_class(type(module))
+    return model
+

@@ -1,0 +1,136 @@
+"""What the CLI and the trainer call: settings from the config, solve or load a plan, place a model."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..config import ConfigError, JobConfig
+from .costs import GiB, Hardware
+from .planner import MeshInfo, Settings, plan_model
+
+PLAN_VERSION = 1
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def device_memory_bytes() -> float:
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    return Hardware().device_memory_bytes
+
+
+def parse_memory_budget(text: str, device_memory: float) -> float:
+    """'' -> half the device memory (the rest is for activations); '0.5' -> a fraction; '20GiB' / '512MiB'."""
+    text = text.strip()
+    if not text:
+        return 0.5 * device_memory
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB)?", text)
+    if not m:
+        raise ConfigError(f"compile.autoparallel_memory_budget {text!r} is not a fraction (0.5) or a size (20GiB, 512MiB)")
+    value, unit = float(m.group(1)), m.group(2)
+    if unit is None:
+        if not 0 < value <= 1:
+            raise ConfigError(f"compile.autoparallel_memory_budget {text!r}: a fraction of device memory must be in (0, 1]; use e.g. 0.5 or 20GiB")
+        return value * device_memory
+    return value * {"GiB": GiB, "GB": 1e9, "MiB": 1024**2, "MB": 1e6}[unit]
+
+
+def mesh_info(degrees: Any) -> MeshInfo:
+    names = ("dp_replicate", "dp_shard", "tp")
+    shape = (degrees[0], degrees[1], degrees[2])
+    return MeshInfo(names, shape, tuple(i for i, s in enumerate(shape) if s > 1))
+
+
+def param_dtype_for(cfg: JobConfig, device_type: str) -> torch.dtype:
+    name = cfg.training.mixed_precision_param
+    if name == "auto":
+        name = "bfloat16" if device_type == "cuda" else "float32"
+    return _DTYPES[name]
+
+
+def model_identity(cfg: JobConfig, args: Any) -> dict[str, Any]:
+    from ..models import describe
+
+    return {"name": cfg.model.name, "flavor": cfg.model.flavor, "arch": describe(args)}
+
+
+def solve(cfg: JobConfig, model: nn.Module, args: Any, info: MeshInfo, solver_mesh: DeviceMesh | None,
+          device: torch.device, param_dtype: torch.dtype) -> dict[str, Any]:
+    t = cfg.training
+    settings = Settings(
+        hw=Hardware(),
+        memory_budget=parse_memory_budget(cfg.compile.autoparallel_memory_budget, device_memory_bytes()),
+        reduce_dtype=_DTYPES[t.mixed_precision_reduce],
+        param_itemsize=next(model.parameters()).element_size(),
+        microbatches=t.gradient_accumulation_steps,
+    )
+    batch = (t.batch_size // t.gradient_accumulation_steps, t.seq_len)
+    plan = plan_model(model, batch, param_dtype, device, info, solver_mesh, settings).data
+    plan["model"] = model_identity(cfg, args)
+    plan["batch"] = {"global_microbatch": list(batch), "param_dtype": str(param_dtype).removeprefix("torch.")}
+    return plan
+
+
+def check_plan_file(path: str, cfg: JobConfig, degrees: Any) -> dict[str, Any]:
+    """Read a plan.json and refuse one made for another model or mesh (before any process group)."""
+    from .. import models
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"compile.autoparallel_plan {path} does not exist; write one with `graph-trainer plan`")
+    try:
+        plan = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"compile.autoparallel_plan {path} is not valid JSON ({e}); write it again with `graph-trainer plan`") from None
+    if plan.get("version") != PLAN_VERSION or "model" not in plan or "mesh" not in plan:
+        raise ConfigError(f"compile.autoparallel_plan {path} is not a graph-trainer plan (version {PLAN_VERSION})")
+    spec = models.get_spec(cfg.model.name)
+    args = spec.args_for(cfg.model.flavor, cfg.training.seq_len, cfg.model.n_layers)
+    ours = model_identity(cfg, args)
+    theirs = plan["model"]
+    if (theirs.get("name"), theirs.get("flavor"), theirs.get("arch")) != (ours["name"], ours["flavor"], ours["arch"]):
+        raise ConfigError(
+            f"compile.autoparallel_plan {path} was made for model {theirs.get('name')} {theirs.get('flavor')} "
+            f"(or other layer/shape settings), not {ours['name']} {ours['flavor']}; run `graph-trainer plan` for this model"
+        )
+    shape = list(mesh_info(degrees).shape)
+    if plan["mesh"].get("shape") != shape:
+        raise ConfigError(
+            f"compile.autoparallel_plan {path} was made for mesh (dp_replicate, dp_shard, tp) = {tuple(plan['mesh'].get('shape', []))}, "
+            f"not {tuple(shape)}; run `graph-trainer plan` with these --parallelism degrees"
+        )
+    return plan
+
+
+def place(model: nn.Module, spec: Any, args: Any, meshes: Any, mp: Any, cfg: JobConfig) -> nn.Module:
+    """The trainer's entry: solve (rank 0, broadcast) or load the plan, then apply it."""
+    from .apply import apply_plan
+    from .compat import register_cpu_attention_strategies
+    from .trace import trace_model
+
+    register_cpu_attention_strategies()
+    degrees = meshes.degrees
+    info = mesh_info((degrees.dp_replicate, degrees.dp_shard, degrees.tp, degrees.ep))
+    device = meshes.dense.device_type
+    device = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    t = cfg.training
+    batch = (t.batch_size // t.gradient_accumulation_steps, t.seq_len)
+    if cfg.compile.autoparallel_plan:
+        plan = check_plan_file(cfg.compile.autoparallel_plan, cfg, (degrees.dp_replicate, degrees.dp_shard, degrees.tp))
+    else:
+        box: list[Any] = [None]
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            solver_mesh = meshes.dense[info.solver_names] if info.solver_names else None
+            box[0] = solve(cfg, model, args, info, solver_mesh, device, mp.param_dtype)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        plan = box[0]
+    trace = trace_model(model, batch, mp.param_dtype, device)
+    return apply_plan(model, plan, trace, meshes.dense, mp)

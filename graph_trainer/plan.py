@@ -1,0 +1,52 @@
+"""`graph-trainer plan`: solve the placement of a model on a mesh without GPUs, print it, save plan.json.
+
+The mesh is simulated by a fake process group of the mesh's size in this one process (no memory,
+no communication); the model lives on the meta device and is traced on fake tensors. Costs are
+those of the GPU run the plan is for (H100 defaults, bf16 compute unless the config says otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .config import ConfigError, JobConfig, parse_args
+
+
+def make_plan(cfg: JobConfig) -> dict[str, Any]:
+    """Solve on a fake process group standing for the mesh; returns the plan (what plan.json holds)."""
+    p = cfg.parallelism
+    if p.dp_shard == -1:
+        raise ConfigError("graph-trainer plan needs the mesh spelled out: pass --parallelism.dp_shard N (and tp, dp_replicate)")
+    cfg.compile.autoparallel = True
+    cfg.compile.autoparallel_plan = ""
+    from .validate import validate
+
+    degrees = validate(cfg, world_size=p.dp_replicate * p.dp_shard * p.tp, device_type="cuda")
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from . import models
+    from .autoparallel import compat
+    from .autoparallel.entry import mesh_info, param_dtype_for, solve
+
+    info = mesh_info(degrees)
+    compat.init_fake_process_group(math.prod(info.shape))
+    compat.register_cpu_attention_strategies()
+    solver_mesh = init_device_mesh("cpu", info.sizes, mesh_dim_names=info.solver_names) if info.sizes else None
+    spec = models.get_spec(cfg.model.name)
+    args = spec.args_for(cfg.model.flavor, cfg.training.seq_len, cfg.model.n_layers)
+    model = models.build_on_meta(spec, args, "cpu")
+    return solve(cfg, model, args, info, solver_mesh, torch.device("cpu"), param_dtype_for(cfg, "cuda"))
+
+
+def cmd_plan(argv: list[str]) -> int:
+    from .autoparallel import report
+
+    cfg = parse_args(argv)
+    plan = make_plan(cfg)
+    print(f"graph-trainer plan: {cfg.model.name} {cfg.model.flavor} on {math.prod(plan['mesh']['shape'])} ranks")
+    print(report.render(plan))
+    print(f"plan written to {report.write(plan, cfg.job.dump_folder)}")
+    return 0

@@ -1,0 +1,81 @@
+"""`graph-trainer plan` end to end, plan reuse in `train`, training parity of auto-placed runs, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import child_env, launch, losses, run_train
+
+STEPS = 10
+COMMON = ["--training.steps", str(STEPS), "--metrics.progress_bar", "false", "--compile.mode", "aot_fx_trace"]
+
+
+def _plan(tmp_path, *flags: str):
+    return launch(["plan", "--job.dump_folder", str(tmp_path), *flags])
+
+
+def test_plan_command_prints_and_writes(tmp_path):
+    proc = _plan(tmp_path, "--parallelism.dp_shard", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "layers.*.attention.wq.weight" in out and out.count("layers.*.attention.wq.weight") == 1
+    assert "predicted per step and rank" in out and "program:" in out and "solve" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["mesh"]["shape"] == [1, 2, 1] and plan["model"]["flavor"] == "debugmodel"
+    assert f"plan written to {tmp_path / 'plan.json'}" in out
+
+
+@pytest.mark.slow
+def test_plan_8b_on_8_fake_ranks_is_fast(tmp_path):
+    proc = _plan(tmp_path, "--config", "configs/llama3_8b.toml", "--parallelism.dp_shard", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["program"]["total_s"] < 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("degrees,nproc", [(["--parallelism.dp_shard", "2"], 2),
+                                           (["--parallelism.dp_shard", "2", "--parallelism.tp", "2"], 4)])
+def test_auto_placed_training_matches_manual(tmp_path, degrees, nproc):
+    manual = run_train([*COMMON, *degrees], tmp_path / "manual", nproc=nproc)
+    auto = run_train([*COMMON, *degrees, "--compile.autoparallel"], tmp_path / "auto", nproc=nproc)
+    assert len(losses(auto)) == STEPS
+    for a, m in zip(losses(auto), losses(manual)):
+        assert abs(a - m) <= 1e-5, (losses(auto), losses(manual))
+
+
+@pytest.mark.slow
+def test_train_reuses_a_saved_plan(tmp_path):
+    assert _plan(tmp_path / "p", "--parallelism.dp_shard", "2").returncode == 0
+    plan_file = tmp_path / "p" / "plan.json"
+    records = run_train([*COMMON[:4], "--training.steps", "3", "--compile.mode", "aot_fx_trace", "--compile.autoparallel",
+                         "--compile.autoparallel_plan", str(plan_file), "--parallelism.dp_shard", "2"], tmp_path / "t", nproc=2)
+    manual = run_train(["--training.steps", "3", "--metrics.progress_bar", "false", "--parallelism.dp_shard", "2"], tmp_path / "m", nproc=2)
+    assert [round(x, 5) for x in losses(records)] == [round(x, 5) for x in losses(manual)]
+
+
+def _one_rank_error(args: list[str]) -> str:
+    env = child_env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
+    proc = launch(["train", *args], env=env)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    line = [ln for ln in proc.stderr.splitlines() if "graph-trainer: error" in ln]
+    assert len(line) == 1, proc.stderr[-2000:]
+    return line[0]
+
+
+def test_plan_for_another_model_or_mesh_is_refused(tmp_path):
+    assert _plan(tmp_path, "--parallelism.dp_shard", "2").returncode == 0
+    plan_file = str(tmp_path / "plan.json")
+    msg = _one_rank_error(["--compile.autoparallel", "--compile.autoparallel_plan", plan_file, "--model.n_layers", "2"])
+    assert "was made for model llama3 debugmodel" in msg
+    env = child_env(WORLD_SIZE="4", RANK="0", LOCAL_RANK="0")
+    proc = launch(["train", "--compile.autoparallel", "--compile.autoparallel_plan", plan_file, "--parallelism.tp", "2"], env=env)
+    assert proc.returncode == 2 and "was made for mesh (dp_replicate, dp_shard, tp) = (1, 2, 1)" in proc.stderr
+
+
+def test_infeasible_budget_from_the_cli(tmp_path):
+    proc = _plan(tmp_path, "--parallelism.dp_shard", "2", "--compile.autoparallel_memory_budget", "1MiB")
+    assert proc.returncode == 2
+    assert "infeasible" in proc.stderr and "autoparallel_memory_budget 0.05GiB" in proc.stderr
