@@ -158,7 +158,7 @@ CASES = [
     Case("ckpt_folder_is_a_file", ["--checkpoint.enable", "--checkpoint.folder", "config.toml"], "is a file; pick another path"),
     Case("ckpt_truncated_on_rank_1", ["--checkpoint.enable", "--parallelism.dp_shard", "2"], "fallback_to_previous",
          world_size=2, setup=_truncate_latest, proc=True),
-    Case("plan_of_other_mesh", ["--compile.autoparallel", "--compile.autoparallel_plan", "{scratch}/plan.json", "--parallelism.dp_shard", "4"],
+    Case("plan_of_other_mesh", ["--compile.autoparallel", "--compile.autoparallel_plan", "{scratch}/plan.json", "--parallelism.dp_shard", "4", "--training.batch_size", "8"],
          "plan", world_size=4, setup=_plan_of_other_mesh,
          marks=[] if _plan_available() else [pytest.mark.skip(reason="graph_trainer.plan (the solver helper's `graph-trainer plan`) does not exist yet")]),
 ]
