@@ -39,11 +39,12 @@ def collective_kind(node: fx.Node) -> str | None:
     return _COLLECTIVES.get(node.target._opname)
 
 
-def _nbytes(val: Any) -> int:
+def nbytes(val: Any) -> int:
+    """Bytes of a tensor or of a (nested) list of tensors; 0 for anything else."""
     if isinstance(val, torch.Tensor):
         return val.numel() * val.element_size()
     if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
+        return sum(nbytes(v) for v in val)
     return 0
 
 
@@ -55,7 +56,7 @@ def summarize(gm: fx.GraphModule) -> dict[str, Any]:
             continue
         entry = counts[kind]
         entry["count"] += 1
-        entry["bytes"] += _nbytes(node.meta.get("val"))
+        entry["bytes"] += nbytes(node.meta.get("val"))
         if node.meta.get(BUCKET_META, 1) > 1:
             entry["buckets"] += 1
     return {"nodes": len(gm.graph.nodes), "collectives": dict(sorted(counts.items()))}

@@ -25,6 +25,8 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import fx
 
+from ..graph_dump import nbytes
+
 from .bucketing_compat import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, node_flops
 
 GiB = 1 << 30
@@ -115,14 +117,6 @@ def mesh_links(meshes: Any) -> dict[str, Link]:
 _FREE_TARGETS = {torch.ops.aten._unsafe_view.default, WAIT, ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE}
 
 
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
-
-
 @dataclass
 class CostModel:
     hw: Hardware
@@ -175,9 +169,9 @@ class CostModel:
         flops = node_flops(node)
         fusible = torch.Tag.pointwise in target.tags or torch.Tag.reduction in target.tags
         if self.fused and fusible:
-            moved = _nbytes(out)
+            moved = nbytes(out)
         else:
-            moved = _nbytes(out) + sum(_nbytes(a.meta.get("val")) for a in node.all_input_nodes)
+            moved = nbytes(out) + sum(nbytes(a.meta.get("val")) for a in node.all_input_nodes)
         dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
         rate = self.hw.flops.get(dtype, self.hw.flops[torch.float32])
         return max(flops / rate, moved / self.hw.mem_bw)
