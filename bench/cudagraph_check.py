@@ -13,9 +13,7 @@ Exit code 0 when every pair matches and exits cleanly, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,15 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from graph_trainer.compare import free_port
+from graph_trainer.metrics import read_metrics
+
 REPO = Path(__file__).resolve().parent.parent
 TIMED_FROM_STEP = 4
 """Step 1 warms up and step 2 captures: time the steps from here on."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train(folder: Path, args: list[str], nproc: int, timeout: int) -> tuple[list[dict], float]:
@@ -39,7 +34,7 @@ def train(folder: Path, args: list[str], nproc: int, timeout: int) -> tuple[list
     cmd = [sys.executable, "-m", "graph_trainer", "train"]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), "-m", "graph_trainer", "train"]
+               "--master-port", str(free_port()), "-m", "graph_trainer", "train"]
     cmd += ["--job.dump_folder", str(folder), "--metrics.progress_bar", "false", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
@@ -51,7 +46,7 @@ def train(folder: Path, args: list[str], nproc: int, timeout: int) -> tuple[list
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
         raise SystemExit(f"FAIL: {' '.join(args)} exited with {proc.returncode}")
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line]
+    records = read_metrics(folder)
     return records, wall
 
 

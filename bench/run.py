@@ -5,9 +5,14 @@ device, model, batch and tokens, in one call. Writes `<out>/<date>-<suite>.json`
     python bench/run.py --suite h200x2 --out $OUT        # two H200 (nvidia-h200-x2)
     python bench/run.py --suite h100 --tiny --out /tmp/b # CPU dry run of the graph-trainer runs
 
+A suite longer than one device call runs in parts (`--groups` or `--only`); a later part takes the
+earlier parts' JSON with `--merge`, so the last call writes the whole suite's report.
+
 Throughput is the median tokens/s per GPU of the steps after the warm-up; MFU is against the dense bf16
 peak of the spec sheet (989 TFLOP/s for H100 SXM and H200, torchtitan's table); peak memory is the
-allocator's peak active bytes for graph-trainer and the peak reserved bytes torchtitan logs.
+allocator's peak active bytes for graph-trainer and the peak reserved bytes torchtitan logs. Runs marked
+`profile` profile their second-to-last step (graph-trainer's --profiling: exposed communication and the
+top kernels go into the report; that step is left out of the throughput median).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,15 +43,19 @@ class Run:
     bitwise_with: str = ""
     """Name of an earlier run whose losses this one must equal bit for bit."""
     group: str = ""
-    results: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
+    profile: bool = False
+    """Profile one steady step (graph-trainer's --profiling): exposed communication and top kernels."""
 
 
-def _gt(name: str, group: str, base: list[str], extra: list[str], nproc: int = 1, bitwise_with: str = "") -> Run:
-    return Run(name, "gt", nproc, base + extra, bitwise_with, group)
+def _gt(name: str, group: str, base: list[str], extra: list[str], nproc: int = 1, bitwise_with: str = "",
+        env: dict | None = None, profile: bool = False) -> Run:
+    return Run(name, "gt", nproc, base + extra, bitwise_with, group, env or {}, profile)
 
 
-def _titan(name: str, group: str, flavor: str, batch: int, seq: int, steps: int, nproc: int, extra: list[str]) -> Run:
-    args = ["--model.name", "gt_llama3", "--model.flavor", flavor, "--training.local_batch_size", str(batch),
+def _titan(name: str, group: str, flavor: str, batch: int, seq: int, steps: int, nproc: int, extra: list[str],
+           model: str = "gt_llama3") -> Run:
+    args = ["--model.name", model, "--model.flavor", flavor, "--training.local_batch_size", str(batch),
             "--training.seq_len", str(seq), "--training.steps", str(steps), "--metrics.log_freq", "1",
             "--model.hf_assets_path", str(REPO / "graph_trainer/data/assets"), "--experimental.custom_import",
             "bench.titan_spec", "--activation_checkpoint.mode", "none", *extra]
@@ -56,29 +66,38 @@ def suite_h100(steps: int) -> list[Run]:
     one_b = ["--model.flavor", "1B", "--training.seq_len", "4096", "--training.batch_size", "4", "--training.steps",
              str(steps), "--training.random_tokens", "--training.no-deterministic", "--metrics.log_freq", "1"]
     debug = ["--model.flavor", "debugmodel", "--training.seq_len", "2048", "--training.batch_size", "8",
-             "--training.steps", str(steps * 2), "--training.random_tokens", "--training.no-deterministic"]
+             "--training.steps", str(steps * 2), "--training.random_tokens", "--training.deterministic"]
+    flex = [*debug[:1], "debugmodel_flex_attn", *debug[2:]]
     # Bitwise pairs run deterministic kernels; batch 2 because unfused FX execution needs more memory.
     bitwise_1b = ["--model.flavor", "1B", "--training.seq_len", "4096", "--training.batch_size", "2", "--training.steps",
                   "5", "--training.random_tokens"]
     trace = ["--compile.mode", "aot_fx_trace"]
+    full = [*trace, "--compile.inductor_compilation", "full"]
+    tuned = {"TORCHINDUCTOR_MAX_AUTOTUNE_GEMM": "1", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}
+    simple_fsdp = ["--job.custom_config_module", "torchtitan.experiments.simple_fsdp.job_config", "--compile.enable"]
     return [
         _titan("titan eager", "1B", "1B", 4, 4096, steps, 1, []),
         _titan("titan compile", "1B", "1B", 4, 4096, steps, 1, ["--compile.enable"]),
+        _titan("titan simple_fsdp compile", "1B", "1B", 4, 4096, steps, 1, simple_fsdp, model="gt_simple_fsdp_llama3"),
         _gt("gt eager", "1B", one_b, ["--compile.mode", "eager"]),
-        _gt("gt aot_fx_trace", "1B", one_b, trace, bitwise_with="gt eager"),
-        _gt("gt jit", "1B", one_b, ["--compile.mode", "jit"]),
+        _gt("gt jit full", "1B", one_b, ["--compile.mode", "jit", "--compile.inductor_compilation", "full"]),
         _gt("gt aot full", "1B", one_b, ["--compile.mode", "aot", "--compile.inductor_compilation", "full"]),
-        _gt("gt aot_fx_trace full", "1B", one_b, trace + ["--compile.inductor_compilation", "full"]),
+        _gt("gt aot_fx_trace full", "1B", one_b, full, profile=True),
         _gt("gt aot_fx_trace autoparallel_backend", "1B", one_b, trace + ["--compile.inductor_compilation", "autoparallel_backend"]),
-        _gt("gt aot_fx_trace full auto-placed", "1B", one_b, trace + ["--compile.inductor_compilation", "full", "--compile.autoparallel"]),
+        _gt("gt aot_fx_trace regional", "1B", one_b, trace + ["--compile.inductor_compilation", "regional"]),
+        _gt("gt aot_fx_trace full + cudagraph", "1B", one_b, full + ["--compile.passes", "cudagraph"]),
+        _gt("gt aot_fx_trace full tuned kernels", "1B", one_b, full, env=tuned),
+        _gt("gt aot_fx_trace full auto-placed", "1B", one_b, full + ["--compile.autoparallel"]),
         _gt("gt eager deterministic", "1B bitwise", bitwise_1b, ["--compile.mode", "eager"]),
         _gt("gt aot_fx_trace deterministic", "1B bitwise", bitwise_1b, trace, bitwise_with="gt eager deterministic"),
-        _gt("gt debug eager", "debug", debug, ["--compile.mode", "eager", "--training.deterministic"]),
-        _gt("gt debug aot_fx_trace", "debug", debug, trace + ["--training.deterministic"], bitwise_with="gt debug eager"),
-        _gt("gt debug full", "debug", debug, trace + ["--compile.inductor_compilation", "full", "--training.deterministic"]),
-        _gt("gt debug full + cudagraph", "debug", debug,
-            trace + ["--compile.inductor_compilation", "full", "--compile.passes", "cudagraph", "--training.deterministic"],
-            bitwise_with="gt debug full"),
+        _gt("gt debug eager", "debug", debug, ["--compile.mode", "eager"]),
+        _gt("gt debug aot_fx_trace", "debug", debug, trace, bitwise_with="gt debug eager"),
+        _gt("gt debug full", "debug", debug, full),
+        _gt("gt debug full + cudagraph", "debug", debug, full + ["--compile.passes", "cudagraph"], bitwise_with="gt debug full"),
+        _gt("gt flex eager", "debug flex", flex, ["--compile.mode", "eager"]),
+        _gt("gt flex aot_fx_trace", "debug flex", flex, trace),
+        _gt("gt flex aot_fx_trace regional", "debug flex", flex, trace + ["--compile.inductor_compilation", "regional"]),
+        _gt("gt flex aot_fx_trace full", "debug flex", flex, full),
     ]
 
 
@@ -102,11 +121,16 @@ def suite_h200x2(steps: int) -> list[Run]:
 SUITES = {"h100": suite_h100, "h200x2": suite_h200x2}
 
 
+def _profiling_args(run: Run) -> list[str]:
+    steps = int(run.args[run.args.index("--training.steps") + 1])
+    return ["--profiling.enable", "--profiling.start_step", str(steps - 1), "--profiling.steps", "1"] if run.profile else []
+
+
 def _command(run: Run, dump: Path) -> list[str]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(run.nproc), "--master-port",
                 str(29500 + os.getpid() % 1000)]
     if run.trainer == "gt":
-        return launcher + ["-m", "graph_trainer", "train", "--job.dump_folder", str(dump), *run.args]
+        return launcher + ["-m", "graph_trainer", "train", "--job.dump_folder", str(dump), *run.args, *_profiling_args(run)]
     return launcher + ["-m", "torchtitan.train", "--job.dump_folder", str(dump), *run.args]
 
 
@@ -133,8 +157,17 @@ def _error_lines(output: str) -> str:
     return "\n".join(lines[-6:]) or "\n".join(output.splitlines()[-15:])
 
 
+def _profile(dump: Path) -> dict:
+    path = dump / "profile" / "summary.json"
+    if not path.exists():
+        return {}
+    summary = json.loads(path.read_text())
+    return {"exposed_comm_share": summary["exposed_comm_share"], "profiled_step_ms": summary["step_time_ms"],
+            "busy_ms": summary["busy_ms"], "top_kernels": summary["top_kernels"][:8]}
+
+
 def summarize(run: Run, records: list[dict], wall_s: float, rc: int, tail: str) -> dict:
-    steady = [r for r in records if r["step"] > WARMUP_STEPS] or records
+    steady = [r for r in records if r["step"] > WARMUP_STEPS and not r.get("profiled")] or records
     out = {"name": run.name, "group": run.group, "trainer": run.trainer, "nproc": run.nproc, "args": run.args,
            "returncode": rc, "wall_s": round(wall_s, 1), "steps": len(records),
            "losses": [r["loss"] for r in records]}
@@ -151,26 +184,32 @@ def summarize(run: Run, records: list[dict], wall_s: float, rc: int, tail: str) 
     return out
 
 
-def run_suite(runs: list[Run], out: Path, timeout: int) -> list[dict]:
+def run_suite(runs: list[Run], runs_dir: Path, timeout: int) -> list[dict]:
     results: list[dict] = []
     for run in runs:
-        dump = out / "runs" / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{run.group}-{run.name}")
+        dump = runs_dir / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{run.group}-{run.name}")
         print(f"== {run.group}: {run.name}", flush=True)
         start = time.perf_counter()
         try:
-            proc = subprocess.run(_command(run, dump), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(_command(run, dump), cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                                  env={**os.environ, **run.env})
             rc, output = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as e:
             rc, output = -9, f"timed out after {timeout}s\n" + ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))
         dump.mkdir(parents=True, exist_ok=True)
         (dump / "log.txt").write_text(output)
         result = summarize(run, _records(run, dump, output), time.perf_counter() - start, rc, _error_lines(output))
+        result.update(_profile(dump), env=run.env)
         if run.bitwise_with:
             ref = next((r for r in results if r["name"] == run.bitwise_with and r["group"] == run.group), None)
             result["bitwise_with"] = run.bitwise_with
             result["bitwise_equal"] = bool(ref and ref["losses"] and ref["losses"] == result["losses"])
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k not in ("losses", "args")}), flush=True)
+    return add_ratios(results)
+
+
+def add_ratios(results: list[dict]) -> list[dict]:
     for r in results:
         base = next((b for b in results if b["group"] == r["group"] and b["name"] == "titan eager" and b.get("tokens_per_second")), None)
         if base and r.get("tokens_per_second"):
@@ -178,21 +217,28 @@ def run_suite(runs: list[Run], out: Path, timeout: int) -> list[dict]:
     return results
 
 
-def write_report(results: list[dict], suite: str, out: Path, device: str, command: str) -> Path:
+def write_report(results: list[dict], suite: str, out: Path, device: str, commands: list[str]) -> Path:
     stem = out / f"{datetime.date.today().isoformat()}-{suite}"
-    stem.with_suffix(".json").write_text(json.dumps({"suite": suite, "device": device, "command": command,
+    stem.with_suffix(".json").write_text(json.dumps({"suite": suite, "device": device, "commands": commands,
                                                      "results": results}, indent=2) + "\n")
-    lines = [f"# {suite} on {device}", "", f"Command: `{command}`", "",
-             "| group | run | tokens/s/GPU | MFU % | peak mem GiB | first step s | vs titan eager | bitwise | status |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"# {suite} on {device}", "", "Made by:", "", *[f"    {c}" for c in commands], "",
+             "| group | run | tokens/s/GPU | MFU % | peak mem GiB | first step s | exposed comm % | vs titan eager | bitwise | status |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        def fmt(key, spec):
-            return format(r[key], spec) if r.get(key) is not None else "-"
+        def fmt(key, spec, scale=1.0):
+            return format(r[key] * scale, spec) if r.get(key) is not None else "-"
         bitwise = "-" if "bitwise_equal" not in r else ("yes" if r["bitwise_equal"] else f"NO (vs {r['bitwise_with']})")
-        status = "ok" if r.get("tokens_per_second") else "failed: " + (r.get("error", "").splitlines() or [""])[-1][:80].replace("|", "/")
+        cause = [line for line in r.get("error", "").splitlines() if "ChildFailedError" not in line and "lspci" not in line]
+        status = "ok" if r.get("tokens_per_second") else "failed: " + (cause or [""])[-1][:100].replace("|", "/")
         lines.append(f"| {r['group']} | {r['name']} | {fmt('tokens_per_second', ',.0f')} | {fmt('mfu', '.1f')} | "
-                     f"{fmt('peak_memory_gib', '.1f')} | {fmt('time_to_first_step_s', '.0f')} | {fmt('ratio_to_titan_eager', '.2f')} | "
-                     f"{bitwise} | {status} |")
+                     f"{fmt('peak_memory_gib', '.1f')} | {fmt('time_to_first_step_s', '.0f')} | {fmt('exposed_comm_share', '.1f', 100)} | "
+                     f"{fmt('ratio_to_titan_eager', '.2f')} | {bitwise} | {status} |")
+    for r in results:
+        if not r.get("top_kernels"):
+            continue
+        lines += ["", f"Top kernels of one profiled step, {r['group']}: {r['name']} ({r['profiled_step_ms']:.1f} ms, "
+                      f"kernels busy {r['busy_ms']:.1f} ms):", "", "| kernel | calls | ms | share of step |", "|---|---|---|---|"]
+        lines += [f"| `{k['name'][:90]}` | {k['count']} | {k['ms_per_step']:.2f} | {100 * k['share_of_step']:.1f}% |" for k in r["top_kernels"]]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     _plot(results, stem)
     return stem
@@ -224,22 +270,37 @@ def main() -> int:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--only", default="", help="comma-separated run names (default: all)")
+    parser.add_argument("--groups", default="", help="comma-separated run groups (default: all)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per run")
+    parser.add_argument("--runs-dir", default="", help="where the runs' dump folders go (default: a temporary folder)")
+    parser.add_argument("--merge", nargs="*", default=[],
+                        help="JSON results of earlier calls to put in front of this one's; without --only/--groups, only merge")
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: graph-trainer runs on the debug model, fp32")
     a = parser.parse_args()
     runs = SUITES[a.suite](a.steps)
     if a.only:
-        wanted = set(a.only.split(","))
-        runs = [r for r in runs if r.name in wanted]
+        runs = [r for r in runs if r.name in set(a.only.split(","))]
+    if a.groups:
+        runs = [r for r in runs if r.group in set(a.groups.split(","))]
+    if a.merge and not (a.only or a.groups):
+        runs = []
     if a.tiny:
         runs = [_tiny(r) for r in runs if r.trainer == "gt"]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    earlier = [json.loads(Path(p).read_text()) for p in a.merge]
     import torch
 
     device = torch.cuda.get_device_name() + f" x{torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
-    results = run_suite(runs, out, a.timeout)
-    stem = write_report(results, a.suite, out, f"{device}, torch {torch.__version__}", " ".join(["python", *sys.argv]))
+    device = f"{device}, torch {torch.__version__}" if runs or not earlier else earlier[0]["device"]
+    if any(e["device"] != device for e in earlier):
+        parser.error(f"--merge: results from another device than {device}")
+    results = [r for e in earlier for r in e["results"]]
+    results += run_suite(runs, Path(a.runs_dir or tempfile.mkdtemp(prefix="bench-runs-")), a.timeout) if runs else []
+    commands = [c for e in earlier for c in e.get("commands", [e.get("command", "")])]
+    if runs:
+        commands.append(" ".join(["python", *sys.argv]))
+    stem = write_report(add_ratios(results), a.suite, out, device, commands)
     print((stem.with_suffix(".md")).read_text())
     return 0
 
@@ -253,7 +314,8 @@ def _tiny(run: Run) -> Run:
     if "cudagraph" in args:
         i = args.index("cudagraph")
         del args[i - 1 : i + 1]
-    return Run(run.name, run.trainer, run.nproc, args + ["--training.mixed_precision_param", "float32"], run.bitwise_with, run.group)
+    return Run(run.name, run.trainer, run.nproc, args + ["--training.mixed_precision_param", "float32"], run.bitwise_with,
+               run.group, run.env, run.profile)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """A torchtitan 0.2.2 train spec for the benchmarks, loaded with `--experimental.custom_import
-bench.titan_spec`: llama3 with our `1B` flavor (`--model.name gt_llama3`), fed the same random tokens
-graph-trainer's `--training.random_tokens` gives (graph_trainer.data.random_tokens)."""
+bench.titan_spec`: llama3 with our `1B` flavor (`--model.name gt_llama3`, and its SimpleFSDP experiment as
+`gt_simple_fsdp_llama3`), fed the same random tokens graph-trainer's `--training.random_tokens` gives
+(graph_trainer.data.random_tokens)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.experiments.simple_fsdp.llama3 import get_train_spec as get_simple_fsdp_train_spec
 from torchtitan.models.llama3 import get_train_spec
 from torchtitan.protocols.train_spec import register_train_spec
 
@@ -38,7 +40,9 @@ def _build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite=Tr
                       job_config.debug.seed or 0)
 
 
-register_train_spec(
-    "gt_llama3",
-    dataclasses.replace(get_train_spec(), model_args=models.get_spec("llama3").flavors, build_dataloader_fn=_build_dataloader),
-)
+def _same_model_and_tokens(spec):
+    return dataclasses.replace(spec, model_args=models.get_spec("llama3").flavors, build_dataloader_fn=_build_dataloader)
+
+
+register_train_spec("gt_llama3", _same_model_and_tokens(get_train_spec()))
+register_train_spec("gt_simple_fsdp_llama3", _same_model_and_tokens(get_simple_fsdp_train_spec()))

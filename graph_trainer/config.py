@@ -161,6 +161,16 @@ class Metrics:
 
 
 @dataclass
+class Profiling:
+    enable: bool = False
+    """Profile a few steps: Chrome trace and summary.json (top kernels, exposed communication) under <dump_folder>/profile/."""
+    start_step: int = 6
+    """First profiled step (after warm-up and compilation)."""
+    steps: int = 2
+    """Number of profiled steps."""
+
+
+@dataclass
 class Comm:
     timeout_seconds: int = 300
     """Collective timeout: a dead rank makes the others fail after this many seconds."""
@@ -178,6 +188,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
 
 

@@ -20,6 +20,14 @@ import torch
 logger = logging.getLogger("graph_trainer")
 
 
+def read_metrics(dump_folder: str | Path) -> list[dict[str, Any]]:
+    """The records rank 0 wrote to `<dump_folder>/metrics.jsonl`; [] when it wrote none."""
+    path = Path(dump_folder) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
 def peak_flops(device: torch.device) -> float | None:
     """Dense bf16 peak of the GPU from its spec sheet (torchtitan's table); None on CPU."""
     if device.type != "cuda":

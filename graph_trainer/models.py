@@ -6,10 +6,11 @@ happen later (parallel/), so a 70B model never exists unsharded in host memory.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -77,6 +78,57 @@ def build_on_meta(spec: ModelSpec, args: Any, device_type: str) -> nn.Module:
         args.moe_args.use_grouped_mm = device_type == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
     with torch.device("meta"):
         return spec.model_cls(args)
+
+
+def install_attention_masks(model: nn.Module, eos_id: int) -> None:
+    """Let a FlexAttention model (`attn_type = "flex"`) build its BlockMask from the tokens it is
+    called with, inside its own call.
+
+    torchtitan leaves the mask to the caller (`get_attention_masks`, through a compiled
+    `create_block_mask`). Built inside the call instead, every capture mode sees it: eager, Dynamo, and
+    a traced train step, whose graph then computes the mask from each batch's tokens rather than
+    baking in the mask of the batch it was traced on (`block_causal` masks depend on where the
+    documents end). The mask is built uncompiled because make_fx cannot trace into torch.compile.
+    """
+    args = model.model_args
+    if getattr(args, "attn_type", "sdpa") != "flex":
+        return
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
+    from torchtitan.models.attention import get_causal_mask_mod, get_document_mask_mod
+
+    def block_mask(tokens: torch.Tensor):
+        mask_mods, batch = [get_causal_mask_mod()], 1
+        if args.attn_mask_type == "block_causal":
+            mask_mods.append(get_document_mask_mod(tokens, eos_id))
+            batch = tokens.shape[0]
+        seq = tokens.shape[1]
+        return create_block_mask(and_masks(*mask_mods), batch, None, seq, seq, device=tokens.device)
+
+    def add_masks(module: nn.Module, call_args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("attention_masks") is None:
+            kwargs = {**kwargs, "attention_masks": block_mask(call_args[0])}
+        return call_args, kwargs
+
+    model.register_forward_pre_hook(add_masks, with_kwargs=True)
+
+
+@contextlib.contextmanager
+def traceable_attention() -> Iterator[None]:
+    """While a step is traced, FlexAttention is called as the op itself.
+
+    torchtitan calls it through a class-wide `torch.compile`d function, which make_fx and
+    AOTAutograd's export cannot trace into. The traced graph then holds the `flex_attention`
+    higher-order op, which Inductor compiles (regional_inductor: as part of the attention region).
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.attention import FlexAttentionWrapper
+
+    compiled = FlexAttentionWrapper._compiled_flex_attn
+    FlexAttentionWrapper._compiled_flex_attn = flex_attention
+    try:
+        yield
+    finally:
+        FlexAttentionWrapper._compiled_flex_attn = compiled
 
 
 def transformer_blocks(model: nn.Module) -> dict[str, nn.Module]:

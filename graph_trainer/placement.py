@@ -1,11 +1,16 @@
 """Placement of a meta-device model on the mesh: the manual SimpleFSDP/TP/EP plan, or the one the
-auto-sharding solver picks (`--compile.autoparallel`). The trainer calls only `place_model`."""
+auto-sharding solver picks (`--compile.autoparallel`). The trainer calls `place_model`, then
+`write_placements` for the record that `graph-trainer compare` diffs between runs."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from torch.distributed.tensor import DTensor
 
 from .config import JobConfig
 from .models import ModelSpec
@@ -20,3 +25,24 @@ def place_model(model: nn.Module, spec: ModelSpec, args: Any, meshes: Meshes, mp
 
         return place(model, spec, args, meshes, mp, cfg)
     return parallelize(model, spec, meshes, mp, cfg.parallelism.moe_capacity_factor)
+
+
+def describe_placements(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Each parameter's storage layout by FQN: mesh dim names, mesh shape, placements (`Shard(dim=0)`).
+    Activation-checkpoint wrappers are left out of the FQNs so that runs with and without AC compare."""
+    described = {}
+    for fqn, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            layout = {"mesh_dim_names": list(mesh.mesh_dim_names or ()), "mesh_shape": list(mesh.shape),
+                      "placements": [repr(p) for p in param.placements]}
+        else:
+            layout = {"mesh_dim_names": [], "mesh_shape": [], "placements": []}
+        described[fqn.replace(_CHECKPOINT_PREFIX, "")] = layout
+    return described
+
+
+def write_placements(model: nn.Module, dump_folder: str) -> Path:
+    path = Path(dump_folder) / "placements.json"
+    path.write_text(json.dumps(describe_placements(model), indent=1) + "\n")
+    return path

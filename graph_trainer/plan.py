@@ -18,6 +18,8 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     p = cfg.parallelism
     if p.dp_shard == -1:
         raise ConfigError("graph-trainer plan needs the mesh spelled out: pass --parallelism.dp_shard N (and tp, dp_replicate)")
+    if cfg.compile.autoparallel_impl != "builtin":
+        raise ConfigError("graph-trainer plan shows the built-in solver's plan; drop --compile.autoparallel_impl meta")
     cfg.compile.autoparallel = True
     cfg.compile.autoparallel_plan = ""
     from .validate import validate
@@ -30,6 +32,7 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     from . import models
     from .autoparallel import compat
     from .autoparallel.entry import mesh_info, param_dtype_for, solve
+    from .autoparallel.moe import prepare_model
 
     info = mesh_info(degrees)
     compat.init_fake_process_group(math.prod(info.shape))
@@ -38,6 +41,7 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     spec = models.get_spec(cfg.model.name)
     args = spec.args_for(cfg.model.flavor, cfg.training.seq_len, cfg.model.n_layers)
     model = models.build_on_meta(spec, args, "cpu")
+    prepare_model(model)
     return solve(cfg, model, args, info, solver_mesh, torch.device("cpu"), param_dtype_for(cfg, "cuda"))
 
 

@@ -92,8 +92,19 @@ class FunctionalTrainStep:
             if self.loss_scale != 1.0:
                 loss = loss * self.loss_scale
             grads = torch.autograd.grad(loss, list(params), allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        grads = [torch.zeros_like(p) if g is None else _laid_out_like(g, p) for p, g in zip(params, grads)]
         return loss.detach(), grads
+
+
+def _laid_out_like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The gradient with its parameter's strides, as autograd's AccumulateGrad lays out `param.grad`.
+
+    A gradient that comes out transposed (the MoE experts' do) holds the same values, but the norm
+    that clipping takes of it sums in another order: eager and traced runs would drift apart.
+    """
+    if grad.stride() == param.stride():
+        return grad
+    return torch.empty_strided(param.shape, param.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
 def accumulate_grads(params: Sequence[torch.Tensor], specs: Sequence[ParamSpec], grads: Sequence[torch.Tensor]) -> None:

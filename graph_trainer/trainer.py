@@ -1,7 +1,7 @@
 """The training loop: build once, capture the step once, then step, log and checkpoint.
 
 Which capture mode and which backend run the step is decided by registries; nothing below branches
-on them. Rank 0 writes `metrics.jsonl` and `config.toml` into `job.dump_folder`.
+on them. Rank 0 writes `metrics.jsonl`, `config.toml` and `placements.json` into `job.dump_folder`.
 
 How a run ends: 0 when it finishes, or when SIGINT/SIGTERM stopped it after the current step (with
 `--checkpoint.enable` a checkpoint of that step is saved first; a second signal stops at once).
@@ -35,11 +35,12 @@ from .config import JobConfig, to_toml
 from .data.random_tokens import random_batch
 from .data import TokenLoader, build_tokenizer, read_documents
 from .metrics import MetricsLogger, reset_peak_memory
+from .profiling import StepProfiler
 from .parallel import apply_activation_checkpointing
 from .parallel.materialize import materialize
 from .parallel.mesh import Meshes, build_meshes, device_type, resolve_degrees
 from .parallel.simple_fsdp import MixedPrecision
-from .placement import place_model
+from .placement import place_model, write_placements
 from .regions import annotate_regions
 from .passes.registry import run_teardowns
 
@@ -181,8 +182,11 @@ class GraphTrainer:
         args = spec.args_for(cfg.model.flavor, t.seq_len, cfg.model.n_layers)
         reference = models.build_on_meta(spec, args, self.device.type)
         mp = mixed_precision(cfg, self.device)
+        placement_start = time.perf_counter()
         self.model = place_model(models.build_on_meta(spec, args, self.device.type), spec, args, self.meshes, mp, cfg)
+        placement_s = time.perf_counter() - placement_start
         annotate_regions(self.model)
+        models.install_attention_masks(self.model, self.tokenizer.eos_id)
         materialize(self.model, reference, self.device, t.seed)
         apply_activation_checkpointing(self.model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
         self.nparams, self.flops_per_token = models.nparams_and_flops_per_token(args, reference, t.seq_len)
@@ -197,11 +201,13 @@ class GraphTrainer:
         self.checkpointer = Checkpointer(cfg, state, describe, self.device)
         self.checkpointer.load()
 
-        self.capture = CaptureContext(cfg, self.meshes, self.model, cross_entropy, 1.0 / t.gradient_accumulation_steps, self.device)
+        self.capture = CaptureContext(cfg, self.meshes, self.model, cross_entropy, 1.0 / t.gradient_accumulation_steps, self.device,
+                                      stats={"placement_s": placement_s})
         self.step_fn = build_step(cfg.compile.mode, self.capture)
         if self.is_rank0:
             Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
             (Path(cfg.job.dump_folder) / "config.toml").write_text(to_toml(cfg))
+            write_placements(self.model, cfg.job.dump_folder)
             logger.info(
                 f"{cfg.model.name} {cfg.model.flavor}: {self.nparams:,} parameters, mesh {self.degrees}, "
                 f"mode {cfg.compile.mode}, backend {cfg.compile.inductor_compilation}, device {self.device}"
@@ -262,6 +268,8 @@ class GraphTrainer:
         tokens_per_step = self.local_batch * t.seq_len * t.gradient_accumulation_steps
         metrics = MetricsLogger(self.cfg.job.dump_folder, self.is_rank0, t.steps, self.flops_per_token,
                                 self.device, self.env.world_size, self.cfg.metrics.progress_bar, first_step=self.step + 1)
+        p = self.cfg.profiling
+        profiler = StepProfiler(self.cfg.job.dump_folder, p.start_step, p.steps, self.device, self.is_rank0, p.enable)
         records = []
         start = time.perf_counter()
         first = True
@@ -270,10 +278,14 @@ class GraphTrainer:
                 self.step += 1
                 inject_test_faults(self.env.rank, self.step, self.model)
                 reset_peak_memory(self.device)
+                profiler.before_step(self.step)
                 loss, grad_norm = self.train_step()
+                profiler.after_step(self.step)
                 if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                     raise NonFiniteError(f"step {self.step}: loss {loss} / grad norm {grad_norm} is not finite; lower --optimizer.lr or check the data")
                 extra = {"retraces": self.capture.stats.get("retraces", 0)}
+                if profiler.covers(self.step):
+                    extra["profiled"] = True
                 if first:
                     extra["time_to_first_step_s"] = time.perf_counter() - start
                     extra.update({k: v for k, v in self.capture.stats.items() if k.endswith("_s")})

@@ -89,6 +89,12 @@ def check_training(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
         raise ConfigError(f"training.max_norm must be >= 0, got {t.max_norm}")
     if cfg.metrics.log_freq < 1:
         raise ConfigError(f"metrics.log_freq must be >= 1, got {cfg.metrics.log_freq}")
+    prof = cfg.profiling
+    if prof.enable and (prof.start_step < 1 or prof.steps < 1 or prof.start_step + prof.steps - 1 > t.steps):
+        raise ConfigError(
+            f"profiling.start_step={prof.start_step} and profiling.steps={prof.steps} must name steps within "
+            f"1..training.steps={t.steps}; e.g. --profiling.start_step {max(1, t.steps - 1)} --profiling.steps 1"
+        )
     if cfg.comm.timeout_seconds < 1:
         raise ConfigError(f"comm.timeout_seconds must be >= 1, got {cfg.comm.timeout_seconds}")
 
@@ -212,11 +218,21 @@ def check_autoparallel(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> No
     if not c.autoparallel:
         return
     if c.autoparallel_impl == "meta":
-        raise ConfigError("compile.autoparallel_impl meta needs Meta's autoparallel package, which this install lacks; use --compile.autoparallel_impl builtin")
-    if models.get_spec(cfg.model.name).is_moe or degrees[3] > 1:
-        raise ConfigError(f"the built-in autoparallel solver handles dense models (llama3) only so far; drop --compile.autoparallel for {cfg.model.name}")
-    from .autoparallel.entry import check_plan_file, parse_memory_budget
+        from .autoparallel.meta_adapter import require
 
+        require()
+        if models.get_spec(cfg.model.name).is_moe:
+            raise ConfigError(f"--compile.autoparallel_impl meta places dense models only here; use --compile.autoparallel_impl builtin for {cfg.model.name}")
+        if c.autoparallel_plan:
+            raise ConfigError("compile.autoparallel_plan holds a plan of the built-in solver; drop it or use --compile.autoparallel_impl builtin")
+    from .autoparallel.entry import EP_DIM, check_plan_file, parse_memory_budget
+
+    ep, dp_shard = degrees[3], degrees[1]
+    if ep > 1 and ep != dp_shard:
+        raise ConfigError(
+            f"with --compile.autoparallel, --parallelism.ep pins expert parallelism over {EP_DIM}, so it must be 1 (the solver "
+            f"chooses) or {EP_DIM}'s degree {dp_shard}, not {ep}"
+        )
     parse_memory_budget(c.autoparallel_memory_budget, 1.0)
     if c.autoparallel_plan:
         check_plan_file(c.autoparallel_plan, cfg, degrees)

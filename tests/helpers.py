@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from graph_trainer.compare import free_port
+from graph_trainer.metrics import read_metrics
+
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 900
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -33,10 +28,6 @@ def launch(args: list[str], nproc: int = 1, timeout: int = TIMEOUT_S, env: dict[
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(free_port()), "-m", "graph_trainer", *args]
     return subprocess.run(cmd, cwd=REPO, env=env or child_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def read_metrics(dump_folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(dump_folder) / "metrics.jsonl").read_text().splitlines() if line]
 
 
 def run_train(args: list[str], dump_folder: Path, nproc: int = 1, timeout: int = TIMEOUT_S) -> list[dict]:

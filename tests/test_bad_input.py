@@ -136,6 +136,8 @@ CASES = [
     Case("min_lr_factor_above_one", ["--lr_scheduler.min_lr_factor", "1.5"], "min_lr_factor must be in [0, 1]"),
     Case("log_freq_zero", ["--metrics.log_freq", "0"], "metrics.log_freq must be >= 1"),
     Case("timeout_zero", ["--comm.timeout_seconds", "0"], "comm.timeout_seconds must be >= 1"),
+    Case("profile_past_the_last_step", ["--profiling.enable", "--training.steps", "5", "--profiling.start_step", "5",
+                                        "--profiling.steps", "2"], "--profiling.start_step 4 --profiling.steps 1"),
     # files
     Case("dataset_missing", ["--training.dataset_path", "{scratch}/none.txt"], "pass an existing .txt/.jsonl/.parquet"),
     Case("tokenizer_missing", ["--model.tokenizer_path", "{scratch}/tok.json"], "pass a tokenizer.json"),

@@ -186,3 +186,17 @@ def test_llama3_trains_like_eager(backend, nproc):
         code = (folder / "graphs" / "01_regional_inductor.py").read_text()
         # one compiled region per block's attention in forward and one in backward
         assert len(set(re.findall(r"torch__inductor_standalone_compile_inner\w*", code))) == 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["aot", "jit"])
+def test_full_inductor_in_aot_and_jit_trains_like_eager(mode):
+    """aot and jit compile their forward and backward graphs separately; the aot joint graph is not
+    decomposed (a retrace would flatten its tangents into forward inputs)."""
+    eager = read_metrics(cached_run(SMALL))
+    folder = cached_run((*SMALL, "--compile.mode", mode, "--compile.inductor_compilation", "full", "--compile.dump_graphs"))
+    assert losses(read_metrics(folder)) == pytest.approx(losses(eager), rel=1e-4)
+    stages = [s["stage"] for s in json.loads((folder / "graphs" / "summary.json").read_text())["stages"]]
+    passes = ("inductor_decomposition", "full_inductor_compilation")
+    expected = (["joint"] if mode == "aot" else []) + [f"{g}{p}" for g in ("forward", "backward") for p in ("", *(f"_{q}" for q in passes))]
+    assert stages == expected

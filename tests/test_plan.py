@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -27,12 +28,32 @@ def test_plan_command_prints_and_writes(tmp_path):
     assert f"plan written to {tmp_path / 'plan.json'}" in out
 
 
+def planned_in_time(tmp_path, limit_s: float, *flags: str) -> dict:
+    """Run `graph-trainer plan`; its printed total (trace + build + solve) and plan.json's are under the limit."""
+    proc = _plan(tmp_path, *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = re.search(r"^time: trace .* = ([\d.]+) s$", proc.stdout, re.MULTILINE)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert printed and float(printed.group(1)) == pytest.approx(plan["program"]["total_s"], abs=0.01)
+    assert plan["program"]["total_s"] < limit_s, plan["program"]
+    return plan
+
+
 @pytest.mark.slow
 def test_plan_8b_on_8_fake_ranks_is_fast(tmp_path):
-    proc = _plan(tmp_path, "--config", "configs/llama3_8b.toml", "--parallelism.dp_shard", "8")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["program"]["total_s"] < 10
+    planned_in_time(tmp_path, 10, "--config", "configs/llama3_8b.toml", "--parallelism.dp_shard", "8")
+
+
+@pytest.mark.slow
+def test_plan_8b_on_8x8_fake_ranks_is_fast(tmp_path):
+    plan = planned_in_time(tmp_path, 30, "--config", "configs/llama3_8b.toml", "--parallelism.dp_shard", "8", "--parallelism.tp", "8")
+    assert plan["params"]["layers.*.feed_forward.w1.weight"]["compute"] == ["R", "S0"]
+
+
+@pytest.mark.slow
+def test_plan_70b_on_8x8_fake_ranks_is_fast(tmp_path):
+    plan = planned_in_time(tmp_path, 60, "--config", "configs/llama3_70b.toml", "--parallelism.dp_shard", "8", "--parallelism.tp", "8")
+    assert plan["params"]["layers.*.feed_forward.w2.weight"]["compute"] == ["R", "S1"]
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -56,11 +57,21 @@ def test_tp_mesh_gives_column_then_row_parallel():
     p = plan("--model.flavor", "8B", "--training.seq_len", "2048", "--training.batch_size", "1",
              "--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--compile.autoparallel_memory_budget", "70GiB")
     compute = {n: p["params"][f"layers.*.{n}.weight"]["compute"] for n in LINEARS}
-    # nn.Linear weights are [out, in]: column-parallel shards dim 0, row-parallel dim 1
+    # nn.Linear weights are [out, in]: column-parallel shards dim 0, row-parallel dim 1; wk/wv too (GQA)
     assert compute["feed_forward.w1"] == compute["feed_forward.w3"] == ["S0"]
     assert compute["feed_forward.w2"] == ["S1"]
-    assert compute["attention.wq"] == ["S0"] and compute["attention.wo"] == ["S1"]
+    assert compute["attention.wq"] == compute["attention.wk"] == compute["attention.wv"] == ["S0"]
+    assert compute["attention.wo"] == ["S1"]
     assert p["params"]["output.weight"]["compute"] == ["S0"]
+    # Megatron with sequence parallelism: per attention and per MLP ONE all-gather of the input and ONE
+    # reduce-scatter of the output in forward, the mirror in backward (the embedding and logits add <= 2)
+    layers, comm = 32, p["predicted"]["communication"]
+    count = lambda kind: comm.get(kind, {"count": 0})["count"]  # noqa: E731
+    for kind in ("all_gather (forward)", "reduce_scatter (forward)", "all_gather (backward)", "reduce_scatter (backward)"):
+        assert 2 * layers <= count(kind) <= 2 * layers + 2, (kind, comm)
+    assert count("all_to_all (forward)") <= 2 and count("all_to_all (backward)") <= 2 and count("all_reduce (forward)") == 0, comm
+    # the only all-reduces are of the norm weights' gradients (each tp rank holds other tokens): tiny
+    assert comm["all_reduce (backward)"]["bytes"] < 0.01 * comm["reduce_scatter (backward)"]["bytes"], comm
 
 
 @pytest.mark.slow
@@ -68,11 +79,13 @@ def test_2d_mesh_shards_on_both_dims():
     p = plan("--model.flavor", "8B", "--training.seq_len", "8192", "--training.batch_size", "4",
              "--parallelism.dp_shard", "4", "--parallelism.tp", "2")
     assert p["batch_spec"] == ["S0", "R"]
-    for name in ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3"):
+    for name in LINEARS:
         entry = p["params"][f"layers.*.{name}.weight"]
-        assert entry["storage"][0].startswith("S") and entry["compute"][0] == "R", entry  # FSDP on dp_shard
-    compute = {n: p["params"][f"layers.*.feed_forward.{n}.weight"]["compute"][1] for n in ("w1", "w2", "w3")}
-    assert compute == {"w1": "S0", "w2": "S1", "w3": "S0"}  # Megatron MLP on tp
+        assert entry["storage"][0].startswith("S") and entry["compute"][0] == "R", (name, entry)  # FSDP on dp_shard
+    compute = {n: p["params"][f"layers.*.{n}.weight"]["compute"][1] for n in LINEARS}
+    # Megatron attention and MLP on tp
+    assert compute == {"attention.wq": "S0", "attention.wk": "S0", "attention.wv": "S0", "attention.wo": "S1",
+                       "feed_forward.w1": "S0", "feed_forward.w2": "S1", "feed_forward.w3": "S0"}, compute
 
 
 def test_memory_budget_forces_sharding():
@@ -82,6 +95,27 @@ def test_memory_budget_forces_sharding():
     assert tight["predicted"]["memory_per_rank_bytes"] <= 0.05 * 1024**3
     assert sharded(tight) > sharded(loose)
     assert loose["params"]["norm.weight"]["storage"] == ["R"]  # small parameters stay replicated when memory allows
+
+
+@pytest.mark.slow
+def test_network_speed_decides_what_a_loose_budget_replicates(monkeypatch):
+    """llama3 1B (1.4B) fits replicated in the default budget on 8 ranks. On NVLink, sharding the large
+    linears pays (less optimizer work per rank for cheap collectives) while the norms stay replicated
+    (a collective's latency outweighs their optimizer step); on a slow network everything in the
+    blocks stays replicated."""
+    from graph_trainer.autoparallel import entry
+    from graph_trainer.autoparallel.costs import Hardware
+
+    flags = ("--config", "configs/llama3_1b.toml", "--parallelism.dp_shard", "8", "--training.batch_size", "8")
+    fast = make_plan(parse_args(list(flags)))
+    monkeypatch.setattr(entry, "Hardware", lambda: Hardware(intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=2e9))
+    slow = make_plan(parse_args(list(flags)))
+    for name in LINEARS:
+        assert fast["params"][f"layers.*.{name}.weight"]["storage"][0].startswith("S"), name
+        assert slow["params"][f"layers.*.{name}.weight"]["storage"] == ["R"], name
+    for norm in ("layers.*.attention_norm.weight", "layers.*.ffn_norm.weight", "norm.weight"):
+        assert fast["params"][norm]["storage"] == ["R"], norm
+    assert slow["predicted"]["memory_per_rank_bytes"] > 4 * fast["predicted"]["memory_per_rank_bytes"]
 
 
 def test_infeasible_budget_names_the_smallest():
@@ -118,3 +152,41 @@ def test_untraceable_op_is_named_with_its_module():
         root = Root()
     with pytest.raises(ConfigError, match=r"cannot handle module 'layers.0'"):
         trace_model(root, (2, 4), torch.float32, torch.device("cpu"))
+
+
+def test_meta_impl_without_its_package_says_how_to_install():
+    from graph_trainer.autoparallel import meta_adapter
+    from graph_trainer.passes.bucketing_compat import META_AUTOPARALLEL_INSTALL
+    from graph_trainer.validate import validate
+
+    if meta_adapter.auto_parallel_class() is not None:
+        pytest.skip("Meta's autoparallel is installed")
+    cfg = parse_args(["--compile.autoparallel", "--compile.autoparallel_impl", "meta", "--parallelism.dp_shard", "2"])
+    with pytest.raises(ConfigError, match=re.escape(META_AUTOPARALLEL_INSTALL)) as err:
+        validate(cfg, world_size=2, device_type="cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_meta_autoparallel_places_llama_on_two_ranks():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from graph_trainer import models
+    from graph_trainer.autoparallel import compat, meta_adapter
+    from graph_trainer.parallel.simple_fsdp import MixedPrecision
+    from graph_trainer.passes.bucketing_compat import META_AUTOPARALLEL_INSTALL
+
+    if meta_adapter.auto_parallel_class() is None:
+        pytest.skip(f"Meta's autoparallel is not installed: {META_AUTOPARALLEL_INSTALL}")
+    compat.init_fake_process_group(2)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    spec = models.get_spec("llama3")
+    model = models.build_on_meta(spec, spec.args_for("debugmodel", 64), "cpu")
+    names = {n for n, _ in model.named_parameters()}
+    state = sum(p.numel() for p in model.parameters()) * 16  # fp32 parameter, gradient and two Adam moments
+    # a budget just above half the state: most of the parameters must be sharded over the 2 ranks
+    placed = meta_adapter.place(model, (4, 64), mesh, MixedPrecision(torch.float32, torch.float32), 0.55 * state)
+    params = dict(placed.named_parameters())
+    assert set(params) == names and all(isinstance(p, DTensor) for p in params.values())
+    sharded = sum(p.numel() for p in params.values() if p.placements[0].is_shard())
+    assert sharded > 0.8 * sum(p.numel() for p in params.values())

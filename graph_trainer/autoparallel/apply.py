@@ -25,9 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from ..config import ConfigError
-from . import compat
+from . import compat, moe
 from .planner import DP_DIMS, canonical_op
-from .strategies import placement_of
+from .strategies import Strategy, placement_of
 from .trace import ModelTrace, UnitGraph
 
 
@@ -79,6 +79,11 @@ class UnitRunner:
             )
         self.node_plan = {n.name: (tuple(self._p(s) for s in p["ins"]), tuple(self._p(s) for s in p["outs"]))
                           for n, p in zip(nodes, planned)}
+        self.moe_ops = {
+            n.name: (moe.module_path(n, unit), Strategy((tuple(p["outs"][0]),), tuple(tuple(x) for x in p["ins"])))
+            for n, p in zip(nodes, planned) if n.target is moe.ROUTED_EXPERTS
+        }
+        """Routed-experts node -> (its MoE module's path in the unit, the plan's strategy in solver specs)."""
 
     def _p(self, spec: list[str]) -> tuple:
         return _placements(spec, self.names, self.solver_dims)
@@ -149,7 +154,13 @@ class UnitRunner:
 
             call_args = torch.utils._pytree.tree_map(load, node.args, is_leaf=lambda x: isinstance(x, fx.Node))
             call_kwargs = torch.utils._pytree.tree_map(load, dict(node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node))
-            if compat.strategy_kind(node.target) is None and _has_dtensor(call_args, call_kwargs):
+            if node.name in self.moe_ops:
+                path, strategy = self.moe_ops[node.name]
+                result = moe.run_routed_experts(module.get_submodule(path), self.mesh, strategy, call_args, self._p)
+            elif not _has_dtensor(call_args, call_kwargs):
+                # an op without tensor inputs makes a constant (a mask, a scalar): the same on every rank
+                result = self._replicated(node.target(*call_args, **call_kwargs))
+            elif compat.strategy_kind(node.target) is None:
                 result = self._run_local(node, call_args, call_kwargs)
             else:
                 result = node.target(*call_args, **call_kwargs)
@@ -168,6 +179,9 @@ class UnitRunner:
         """The fallback: every input replicated, the op runs on whole local tensors."""
         to_local = lambda a: self._to(a, self.replicate).to_local() if isinstance(a, DTensor) else a  # noqa: E731
         out = node.target(*torch.utils._pytree.tree_map(to_local, args), **torch.utils._pytree.tree_map(to_local, kwargs))
+        return self._replicated(out)
+
+    def _replicated(self, out: Any) -> Any:
         wrap = lambda t: self._wrap(t, self.replicate) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return torch.utils._pytree.tree_map(wrap, out)
 
@@ -194,8 +208,9 @@ def _running_class(cls: type) -> type:
     return _RUNNING_CLASSES[cls]
 
 
-def apply_plan(model: nn.Module, plan: dict, trace: ModelTrace, mesh: DeviceMesh, mp: Any) -> nn.Module:
-    """Place a meta-device `model` (traced into `trace` on this device) as `plan` says."""
+def apply_plan(model: nn.Module, plan: dict, trace: ModelTrace, mesh: DeviceMesh, mp: Any, moe_capacity_factor: float = 0.0) -> nn.Module:
+    """Place a meta-device `model` (traced into `trace` on this device) as `plan` says; its MoE
+    modules (moe.prepare_model) get the dispatch of their routed experts' strategy."""
     names = list(mesh.mesh_dim_names)
     solver_dims = plan["mesh"]["solver_dims"]
     dp_degree = math.prod(mesh.size(i) for i, n in enumerate(names) if n in DP_DIMS)
@@ -219,6 +234,8 @@ def apply_plan(model: nn.Module, plan: dict, trace: ModelTrace, mesh: DeviceMesh
                 owner._parameters[short] = nn.Parameter(storage, requires_grad=param.requires_grad)
             module._ap_runner = UnitRunner(unit, plan_unit, mesh, solver_dims, plan["batch_spec"], input_kinds[unit.kind],
                                            fqn == final_module, dp_degree, mp)
+            for path, strategy in module._ap_runner.moe_ops.values():
+                moe.install(module.get_submodule(path), mesh, solver_dims, strategy, moe_capacity_factor)
             module.__class__ = _running_class(type(module))
     return model
 

@@ -22,8 +22,12 @@ bucketing passes merge them per transformer block, as FSDP implementations do.
 Backward: the plan runs as DTensor ops, so autograd's backward of each redistribution is the
 reverse one that DTensor performs (gradient layout -> the producer's layout, where a Partial
 producer keeps a Replicate/Shard gradient as Replicate), and an input used Replicate by an op whose
-other operands or output are not Replicate on that mesh dim gets a Partial gradient. Backward
-compute is 2x the forward for matmul-like ops (two matmuls per forward one) and 1x for the rest.
+other operands or output are not Replicate on that mesh dim gets a Partial gradient. Where nothing
+was redistributed in forward, DTensor leaves a Partial gradient as it is, and views and casts pass it
+on: their strategies have variants that take it (Strategy.grad_outs), so the reduction is priced once
+where the value was redistributed (Megatron's one reduce-scatter for q, k and v), not after each
+reader. Backward compute is 2x the forward for matmul-like ops (two matmuls per forward one) and 1x
+for the rest.
 """
 
 from __future__ import annotations
@@ -75,6 +79,13 @@ class CommModel:
         `latency_share` < 1 prices a collective that is bucketed with others (one alpha per bucket)."""
         return _redistribute(self, nbytes, src, dst, latency_share)
 
+    def collective(self, kind: str, nbytes: float, mesh_dim: int, latency_share: float = 1.0) -> float:
+        """Seconds for one collective on solver mesh dim `mesh_dim`; `nbytes` is the full (gathered,
+        pre-scatter, or sent) local size."""
+        n, bw = self.sizes[mesh_dim], self.bandwidths[mesh_dim]
+        factor = 2.0 if kind == "all_reduce" else 1.0
+        return self.alpha * latency_share + factor * (n - 1) / n * nbytes / bw
+
 
 @lru_cache(maxsize=None)
 def _redistribute(cm: CommModel, nbytes: float, src: Spec, dst: Spec, latency_share: float) -> tuple[float, tuple[tuple[str, float], ...]]:
@@ -85,39 +96,33 @@ def _redistribute(cm: CommModel, nbytes: float, src: Spec, dst: Spec, latency_sh
         if b.startswith("P") and a != b:
             return math.inf, ()
     t = 0.0
-    alpha = cm.alpha * latency_share
     colls: list[tuple[str, float]] = []
 
-    def local() -> float:
-        return nbytes / shard_factor(tuple(cur), cm.sizes)
+    def run(kind: str, m: int) -> None:
+        nonlocal t
+        b = nbytes / shard_factor(tuple(cur), cm.sizes)
+        t += cm.collective(kind, b, m, latency_share)
+        colls.append((kind, b))
 
     for m in range(len(cur)):
         if cur[m].startswith("P") and dst[m] != cur[m]:
-            n, bw, b = cm.sizes[m], cm.bandwidths[m], local()
-            if dst[m] == "R":
-                t += alpha + 2 * (n - 1) / n * b / bw
-                colls.append(("all_reduce", b))
-            else:
-                t += alpha + (n - 1) / n * b / bw
-                colls.append(("reduce_scatter", b))
+            run("all_reduce" if dst[m] == "R" else "reduce_scatter", m)
             cur[m] = dst[m]
     for m in range(len(cur)):
         if cur[m].startswith("S") and dst[m].startswith("S") and cur[m] != dst[m]:
-            n, bw, b = cm.sizes[m], cm.bandwidths[m], local()
-            t += alpha + (n - 1) / n * b / bw
-            colls.append(("all_to_all", b))
+            run("all_to_all", m)
             cur[m] = dst[m]
     for m in reversed(range(len(cur))):
         if cur[m].startswith("S") and dst[m] == "R":
             cur[m] = "R"
-            n, bw, b = cm.sizes[m], cm.bandwidths[m], local()
-            t += alpha + (n - 1) / n * b / bw
-            colls.append(("all_gather", b))
+            run("all_gather", m)
     return t, tuple(colls)
 
 
 def grad_spec(strategy: Strategy, arg: int) -> Spec:
     """Layout of the gradient an op's backward produces for input `arg` under `strategy`."""
+    if strategy.grad_ins is not None:
+        return strategy.grad_ins[arg]
     out = []
     spec = strategy.ins[arg]
     for m, p in enumerate(spec):

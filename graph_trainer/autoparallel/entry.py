@@ -17,6 +17,8 @@ from .costs import GiB, Hardware
 from .planner import MeshInfo, Settings, plan_model
 
 PLAN_VERSION = 1
+EP_DIM = "dp_shard"
+"""`--parallelism.ep N` with the solver pins expert parallelism to this mesh dim (N must be its size)."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -70,6 +72,8 @@ def solve(cfg: JobConfig, model: nn.Module, args: Any, info: MeshInfo, solver_me
         reduce_dtype=_DTYPES[t.mixed_precision_reduce],
         param_itemsize=next(model.parameters()).element_size(),
         microbatches=t.gradient_accumulation_steps,
+        moe_capacity_factor=cfg.parallelism.moe_capacity_factor,
+        expert_parallel_dim=EP_DIM if cfg.parallelism.ep > 1 else None,
     )
     batch = (t.batch_size // t.gradient_accumulation_steps, t.seq_len)
     plan = plan_model(model, batch, param_dtype, device, info, solver_mesh, settings).data
@@ -106,22 +110,38 @@ def check_plan_file(path: str, cfg: JobConfig, degrees: Any) -> dict[str, Any]:
             f"compile.autoparallel_plan {path} was made for mesh (dp_replicate, dp_shard, tp) = {tuple(plan['mesh'].get('shape', []))}, "
             f"not {tuple(shape)}; run `graph-trainer plan` with these --parallelism degrees"
         )
+    ep = cfg.parallelism.ep
+    unpinned = [name for name, m in plan.get("moe", {}).items() if (m["expert_parallel"] or {}).get("degree", 1) != ep]
+    if ep > 1 and unpinned:
+        raise ConfigError(
+            f"compile.autoparallel_plan {path} does not split the routed experts of {unpinned[0]} over {EP_DIM} as "
+            f"--parallelism.ep {ep} pins; run `graph-trainer plan` with --parallelism.ep {ep}, or train with --parallelism.ep 1"
+        )
     return plan
 
 
 def place(model: nn.Module, spec: Any, args: Any, meshes: Any, mp: Any, cfg: JobConfig) -> nn.Module:
-    """The trainer's entry: solve (rank 0, broadcast) or load the plan, then apply it."""
+    """The trainer's entry: solve (rank 0, broadcast) or load the plan, then apply it; or let Meta's
+    AutoParallel do both (`--compile.autoparallel_impl meta`)."""
+    degrees = meshes.degrees
+    info = mesh_info((degrees.dp_replicate, degrees.dp_shard, degrees.tp, degrees.ep))
+    t = cfg.training
+    batch = (t.batch_size // t.gradient_accumulation_steps, t.seq_len)
+    if cfg.compile.autoparallel_impl == "meta":
+        from .meta_adapter import place as meta_place
+
+        budget = parse_memory_budget(cfg.compile.autoparallel_memory_budget, device_memory_bytes())
+        return meta_place(model, batch, meshes.dense[info.solver_names] if info.solver_names else meshes.dense, mp, budget)
+
     from .apply import apply_plan
     from .compat import register_cpu_attention_strategies
+    from .moe import prepare_model
     from .trace import trace_model
 
     register_cpu_attention_strategies()
-    degrees = meshes.degrees
-    info = mesh_info((degrees.dp_replicate, degrees.dp_shard, degrees.tp, degrees.ep))
+    prepare_model(model)
     device = meshes.dense.device_type
     device = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
-    t = cfg.training
-    batch = (t.batch_size // t.gradient_accumulation_steps, t.seq_len)
     if cfg.compile.autoparallel_plan:
         plan = check_plan_file(cfg.compile.autoparallel_plan, cfg, (degrees.dp_replicate, degrees.dp_shard, degrees.tp))
     else:
@@ -133,4 +153,4 @@ def place(model: nn.Module, spec: Any, args: Any, meshes: Any, mp: Any, cfg: Job
             dist.broadcast_object_list(box, src=0)
         plan = box[0]
     trace = trace_model(model, batch, mp.param_dtype, device)
-    return apply_plan(model, plan, trace, meshes.dense, mp)
+    return apply_plan(model, plan, trace, meshes.dense, mp, cfg.parallelism.moe_capacity_factor)

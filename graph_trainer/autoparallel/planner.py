@@ -3,6 +3,7 @@ and describe the result as data (`Plan`) that report.py prints/saves and apply.p
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import re
@@ -18,11 +19,11 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
 from ..config import ConfigError
-from . import program
+from . import moe, program
 from .costs import (OPTIMIZER_BYTES_PER_ELEMENT, CommModel, Hardware, backward_target, compute_time, grad_spec, mesh_bandwidths,
                     state_bytes_per_element)
 from .strategies import NodeStrategies, Spec, Strategy, StrategyEnumerator, candidate_specs, shard_factor, tensor_args, tensor_outputs
-from .trace import ModelTrace
+from .trace import ModelTrace, UnitGraph
 
 aten = torch.ops.aten
 GiB = 1024**3
@@ -75,6 +76,9 @@ class Settings:
     reduce_dtype: torch.dtype
     param_itemsize: int
     microbatches: int = 1
+    moe_capacity_factor: float = 0.0
+    expert_parallel_dim: str | None = None
+    """A mesh dim the routed experts must be split over (`--parallelism.ep` pins it); None: the solver chooses."""
 
 
 @dataclass
@@ -99,6 +103,8 @@ class _Builder:
     edge_info: list[tuple[list, list, dict]] = field(default_factory=list)
     labels: list[tuple[int, str]] = field(default_factory=list)
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
+    inner_comm: dict[int, list[tuple]] = field(default_factory=dict)
+    """Node -> per strategy, the collectives its op runs itself (the MoE all-to-alls), as edge_info's entries."""
 
     def add_node(self, strategies: list[Strategy], costs: list[float], label: tuple[int, str], memory: list[float] | None = None) -> int:
         self.nodes.append(program.ProgramNode(costs, memory))
@@ -125,7 +131,7 @@ class _Builder:
         """Edges from a value to the ops reading it. With several readers the value is redistributed
         once into a shared layout (a copy node) that the readers take from, and their gradients are
         summed in an accumulator layout (another node) before going back to the producer once."""
-        outs = [s.outs[value.out] for s in self.strategies[value.node]]
+        outs = [_out_key(s, value.out) for s in self.strategies[value.node]]
         share = value.latency_share
         if len(uses) == 1:
             dst, arg, mult = uses[0]
@@ -135,32 +141,49 @@ class _Builder:
             else:
                 keys = [(s.ins[arg], grad_spec(s, arg)) for s in strats]
 
-            def both(o: Spec, k: tuple) -> tuple[float, list]:
-                t1, c1 = self._price(value.nbytes, o, k[0], share, mult, "forward")
+            def both(o: tuple, k: tuple) -> tuple[float, list]:
+                t1, c1 = self._price(value.nbytes, o[0], k[0], share, mult, "forward")
                 if math.isinf(t1) or k[1] is None:
                     return t1, c1
-                t2, c2 = self._price(value.grad_nbytes, k[1], backward_target(o, k[1]), share, mult, "backward")
+                t2, c2 = self._price_grad(value.grad_nbytes, k[1], o, k[0], share, mult)
                 return t1 + t2, c1 + c2
 
             self.edge(value.node, outs, dst, keys, both)
             return
         mult = uses[0][2]
-        copies = list(dict.fromkeys(outs + candidate_specs(value.shape, self.mesh.sizes)))
+        copies = list(dict.fromkeys([o[0] for o in outs] + candidate_specs(value.shape, self.mesh.sizes)))
         copy = self.add_node([Strategy((c,), (c,)) for c in copies], [0.0] * len(copies), (-1, "copy"))
-        self.edge(value.node, outs, copy, copies, lambda o, c: self._price(value.nbytes, o, c, share, mult, "forward"))
+        self.edge(value.node, outs, copy, copies, lambda o, c: self._price(value.nbytes, o[0], c, share, mult, "forward"))
         for dst, arg, m in uses:
             keys = [s.ins[arg] for s in self.strategies[dst]]
             self.edge(copy, copies, dst, keys, lambda c, r, m=m: self._price(value.nbytes, c, r, share, m, "forward"))
         if value.grad_nbytes is None:
             return
         grads = {grad_spec(s, arg): None for dst, arg, _ in uses for s in self.strategies[dst]}
-        layouts = list(dict.fromkeys(list(grads) + outs))
+        layouts = list(dict.fromkeys(list(grads) + [o[0] for o in outs]))
         acc = self.add_node([Strategy((a,), ()) for a in layouts], [0.0] * len(layouts), (-1, "grad-accumulator"))
         for dst, arg, m in uses:
             gkeys = [grad_spec(s, arg) for s in self.strategies[dst]]
             self.edge(dst, gkeys, acc, layouts, lambda g, a, m=m: self._price(value.grad_nbytes, g, _into(g, a), share, m, "backward"))
-        self.edge(value.node, outs, acc, layouts,
-                  lambda o, a: self._price(value.grad_nbytes, a, backward_target(o, a), share, mult, "backward"))
+        self.edge(value.node, outs, acc, layouts, lambda o, a: self._price_grad(value.grad_nbytes, a, o, o[0], share, mult))
+
+    def _price_grad(self, nbytes: float, grad: Spec, out_key: tuple, forward_dst: Spec, share: float, mult: float) -> tuple[float, list]:
+        """The gradient's way back into its producer. By default DTensor's backward of the forward
+        redistribution sends it to the producer's layout (backward_target). A producer that takes a
+        Partial gradient (`Strategy.grad_outs`) gets it only when nothing was redistributed in forward."""
+        out, accepted = out_key
+        if accepted is None:
+            target = backward_target(out, grad)
+        elif forward_dst != out:
+            return math.inf, []
+        else:
+            target = accepted
+        return self._price(nbytes, grad, target, share, mult, "backward")
+
+
+def _out_key(s: Strategy, out: int) -> tuple[Spec, Spec | None]:
+    """A producer's side of an edge: its output layout and the gradient layout it takes (None: its default)."""
+    return s.outs[out], s.grad_outs[out] if s.grad_outs is not None else None
 
 
 def _into(g: Spec, acc: Spec) -> Spec:
@@ -243,30 +266,39 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
                 values[(node.name, 0)] = _Value(ids[node.name], 0, _nbytes(val), grad, tuple(val.shape), share)
                 ph += 1
             elif node.op == "call_function" and node.target is operator.getitem:
-                values[(node.name, 0)] = values[(node.args[0].name, node.args[1])]
+                if (node.args[0].name, node.args[1]) in values:  # else a non-tensor output (cuDNN attention's None)
+                    values[(node.name, 0)] = values[(node.args[0].name, node.args[1])]
             elif node.op == "call_function":
                 args = tensor_args(node)
                 arg_values = [values[(a.name, 0)] for a in args]
                 cands = [sorted({s.outs[v.out] for s in b.strategies[v.node]}) for v in arg_values]
-                if enum is not None:
-                    ns = enum.enumerate(node, cands)
-                else:
-                    ns = NodeStrategies([Strategy(tuple(() for _ in tensor_outputs(node)), tuple(() for _ in args))])
-                strategies = [s for s in ns.strategies if _reachable(s, cands)] or ns.strategies
-                if ns.fallback:
-                    b.fallbacks.append((str(node.target), unit.node_module.get(node.name, unit.modules[0])))
                 val = node.meta["val"]
                 out_vals = [val] if isinstance(val, torch.Tensor) else [val[i] for i in tensor_outputs(node)]
                 needs_grad = any(v.grad_nbytes is not None for v in arg_values)
-                flops = _flops(node)
-                dtype = next((v.dtype for v in out_vals if v.is_floating_point()), torch.float32)
-                in_b = [v.nbytes for v in arg_values]
-                out_b = [_nbytes(v) for v in out_vals]
-                if getattr(node.target, "is_view", False) or canonical_op(node) in _FOLLOW:
-                    costs = [0.0] * len(strategies)  # a view moves no data
+                inner = None
+                if node.target is moe.ROUTED_EXPERTS:
+                    strategies, costs, inner = _routed_experts(node, unit.modules[0], mult, b, settings)
                 else:
-                    costs = [mult * compute_time(flops, in_b, out_b, s, sizes, dtype, hw, needs_grad) for s in strategies]
+                    if enum is not None:
+                        ns = enum.enumerate(node, cands)
+                    else:
+                        ns = NodeStrategies([Strategy(tuple(() for _ in tensor_outputs(node)), tuple(() for _ in args))])
+                    strategies = [s for s in ns.strategies if _reachable(s, cands)] or ns.strategies
+                    if needs_grad and _passes_partial_grads(node):
+                        strategies = _with_partial_grads(strategies)
+                    if ns.fallback:
+                        b.fallbacks.append((str(node.target), unit.node_module.get(node.name, unit.modules[0])))
+                    flops = _flops(node)
+                    dtype = next((v.dtype for v in out_vals if v.is_floating_point()), torch.float32)
+                    in_b = [v.nbytes for v in arg_values]
+                    out_b = [_nbytes(v) for v in out_vals]
+                    if getattr(node.target, "is_view", False) or canonical_op(node) in _FOLLOW:
+                        costs = [0.0] * len(strategies)  # a view moves no data
+                    else:
+                        costs = [mult * compute_time(flops, in_b, out_b, s, sizes, dtype, hw, needs_grad) for s in strategies]
                 ids[node.name] = b.add_node(strategies, costs, (unit.kind, node.name))
+                if inner is not None:
+                    b.inner_comm[ids[node.name]] = inner
                 for i, v in enumerate(arg_values):
                     uses[(v.node, v.out)].append((ids[node.name], i, mult))
                     by_key[(v.node, v.out)] = v
@@ -323,6 +355,49 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
     return _make_plan(trace, b, sol, unit_nodes, t_build, settings)
 
 
+def _routed_experts(node: fx.Node, where: str, mult: float, b: _Builder, settings: Settings) -> tuple[list[Strategy], list[float], list[list]]:
+    """The MoE op's declared strategies (moe.py), their costs, and the all-to-alls each one runs."""
+    sizes = b.mesh.sizes
+    strategies = moe.declared_strategies(node, sizes, b.mesh.solver_names, settings.expert_parallel_dim)
+    if not strategies:
+        raise ConfigError(
+            f"autoparallel: no declared strategy of the routed experts in {where} fits this mesh; expert parallelism over "
+            f"{settings.expert_parallel_dim} needs the local tokens and the experts to divide by its size"
+        )
+    priced = [moe.strategy_cost(node, s, sizes, b.comm, settings.hw, settings.moe_capacity_factor) for s in strategies]
+    costs = [mult * (c.compute_s + sum(t for *_, t in c.collectives)) for c in priced]
+    inner = [[(d, kind, mult, mult * nbytes, mult * t) for d, kind, nbytes, t in c.collectives] for c in priced]
+    return strategies, costs, inner
+
+
+_PARTIAL_GRAD_THROUGH = {"t", "transpose", "view", "_unsafe_view", "alias", "permute", "unsqueeze", "squeeze",
+                         "view_as_complex", "view_as_real"}
+
+
+def _passes_partial_grads(node: fx.Node) -> bool:
+    """Views and dtype casts: their backward is a view or cast of the gradient, which DTensor runs on a
+    Partial gradient as is (checked: the result stays Partial; `clone` or pointwise math would reduce)."""
+    op = canonical_op(node)
+    return op is None or op in _PARTIAL_GRAD_THROUGH
+
+
+def _with_partial_grads(strategies: list[Strategy]) -> list[Strategy]:
+    """Add, for each mesh dim on which a view/cast is replicated, the variant that takes its output's
+    gradient as a partial sum and hands the same to its input: the reduction then happens once where
+    the value was redistributed (Megatron: x gathered once for q, k and v, and their three partial
+    input gradients reduce-scattered once), not after each reader."""
+    out = list(strategies)
+    for s in strategies:
+        if len(s.ins) != 1 or len(s.outs) != 1:
+            continue
+        dims = [m for m, (i, o) in enumerate(zip(s.ins[0], s.outs[0])) if i == "R" and o == "R"]
+        for k in range(1, len(dims) + 1):
+            for subset in itertools.combinations(dims, k):
+                partial = lambda spec: tuple("P" if m in subset else p for m, p in enumerate(spec))  # noqa: E731
+                out.append(Strategy(s.outs, s.ins, grad_outs=(partial(s.outs[0]),), grad_ins=(partial(s.ins[0]),)))
+    return out
+
+
 def _reachable(s: Strategy, cands: list[list[Spec]]) -> bool:
     """A strategy asking an input to be Partial where no producer layout is that Partial can never be fed."""
     for spec, cs in zip(s.ins, cands):
@@ -358,13 +433,15 @@ def _make_plan(trace: ModelTrace, b: _Builder, sol: program.Solution, unit_nodes
         units.append({"modules": unit.modules, "inputs": inputs, "params": storage, "nodes": nodes})
         for name, ph in zip(unit.param_names, phs[:n_p]):
             compute = _compute_spec(ph, chosen, ids)
-            prefix = re.sub(r"\.\d+$", ".*", unit.modules[0]) if len(unit.modules) > 1 else unit.modules[0]
-            pattern = f"{prefix}.{name}"
+            pattern = f"{_unit_pattern(unit)}.{name}"
             params[pattern] = {"shape": list(ph.meta["val"].shape), "count": len(unit.modules),
                                "storage": storage[name], "compute": compute}
     comm: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0, "time_s": 0.0})
-    for edge, (src_keys, dst_keys, table) in zip(b.edges, b.edge_info):
-        for direction, kind, count, nbytes, t in table[(src_keys[sol.choice[edge.src]], dst_keys[sol.choice[edge.dst]])][1]:
+    chosen_colls = [table[(src_keys[sol.choice[edge.src]], dst_keys[sol.choice[edge.dst]])][1]
+                    for edge, (src_keys, dst_keys, table) in zip(b.edges, b.edge_info)]
+    chosen_colls += [per_strategy[sol.choice[i]] for i, per_strategy in b.inner_comm.items()]
+    for colls in chosen_colls:
+        for direction, kind, count, nbytes, t in colls:
             entry = comm[f"{kind} ({direction})"]
             entry["count"] += micro * count
             entry["bytes"] += micro * nbytes
@@ -379,6 +456,7 @@ def _make_plan(trace: ModelTrace, b: _Builder, sol: program.Solution, unit_nodes
         "units": units,
         "params": params,
         "fallbacks": sorted({f"{op} in {mod}" for op, mod in b.fallbacks}),
+        "moe": _moe_summary(trace, b, sol, unit_nodes, settings),
         "predicted": {
             "compute_and_optimizer_s": compute, "communication_s": comm_time,
             "communication": {k: dict(v) for k, v in sorted(comm.items())},
@@ -390,6 +468,33 @@ def _make_plan(trace: ModelTrace, b: _Builder, sol: program.Solution, unit_nodes
                     "strategy_queries": b.enum.calls if b.enum else 0, "strategy_cache_hits": b.enum.hits if b.enum else 0},
     }
     return Plan(data)
+
+
+def _unit_pattern(unit: UnitGraph) -> str:
+    """`layers.*` for a unit repeated over the blocks of a list, its own FQN otherwise."""
+    return re.sub(r"\.\d+$", ".*", unit.modules[0]) if len(unit.modules) > 1 else unit.modules[0]
+
+
+def _moe_summary(trace: ModelTrace, b: _Builder, sol: program.Solution, unit_nodes: dict[int, dict[str, int]],
+                 settings: Settings) -> dict[str, Any]:
+    """What the plan does with the routed experts of each kind of MoE block (moe.py's choices)."""
+    out: dict[str, Any] = {}
+    for unit in trace.units:
+        for node in unit.gm.graph.nodes:
+            if node.target is not moe.ROUTED_EXPERTS:
+                continue
+            i = unit_nodes[unit.kind][node.name]
+            strategy = b.strategies[i][sol.choice[i]]
+            pattern = f"{_unit_pattern(unit)}.{moe.module_path(node, unit)}"
+            choices = dict(zip(b.mesh.solver_names, moe.choice_names(strategy)))
+            ep_dims = [n for n, c in choices.items() if c == "experts"]
+            out[pattern] = {
+                "count": len(unit.modules), "choice": choices,
+                "expert_parallel": {"dim": ep_dims[0], "degree": b.mesh.shape[b.mesh.names.index(ep_dims[0])]} if ep_dims else None,
+                "capacity_factor": settings.moe_capacity_factor,
+                "alternatives": len(b.strategies[i]),
+            }
+    return out
 
 
 _FOLLOW = {"t", "transpose", "view", "_unsafe_view", "alias", "detach", "permute", "expand", "unsqueeze", "squeeze"}

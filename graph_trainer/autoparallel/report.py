@@ -32,6 +32,15 @@ def render(plan: dict[str, Any]) -> str:
     ]
     for name, p in plan["params"].items():
         lines.append(f"{name:44s} {str(tuple(p['shape'])):>16s} {p['count']:4d}  {_spec(p['storage'], dims):12s} {_spec(p['compute'], dims):12s}")
+    if plan.get("moe"):
+        lines += ["", "routed experts (one op per MoE block; per mesh dim: replicate, tokens = FSDP-like, experts = EP, hidden = Megatron-like):"]
+        for name, m in plan["moe"].items():
+            choice = ", ".join(f"{d}={c}" for d, c in m["choice"].items()) or "one rank"
+            ep = m["expert_parallel"]
+            how = f"expert parallel over {ep['dim']}, ep={ep['degree']}" if ep else "no expert parallelism"
+            factor = m["capacity_factor"]
+            lines.append(f"  {name:42s} {m['count']:4d}  {choice}  ({how}; capacity factor {factor:g}"
+                         f"{' = never drops' if factor <= 0 else ''}; chosen among {m['alternatives']})")
     pred = plan["predicted"]
     lines += ["", "predicted per step and rank:"]
     for kind, v in pred["communication"].items():

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from . import compat
 
 Spec = tuple[str, ...]
+_MAX_SEPARATE_QUESTIONS = 64
 
 
 def placement_str(p: Any) -> str | None:
@@ -76,6 +77,11 @@ def candidate_specs(shape: Sequence[int], sizes: Sequence[int]) -> list[Spec]:
 class Strategy:
     outs: tuple[Spec, ...]
     ins: tuple[Spec, ...]
+    grad_outs: tuple[Spec, ...] | None = None
+    """The gradient layout the op takes for each output, where it differs from the default rule
+    (costs.backward_target): a Partial gradient passed through a view or cast."""
+    grad_ins: tuple[Spec, ...] | None = None
+    """The gradient layout the op gives each input, where it differs from costs.grad_spec."""
 
 
 @dataclass
@@ -134,14 +140,30 @@ class StrategyEnumerator:
         if kind is not None:
             try:
                 strategies = self._ask(node, kind, args, outs, arg_candidates)
-            except Exception:  # noqa: BLE001  (a strategy function that rejects these args: fall back)
-                strategies = []
+            except Exception:  # noqa: BLE001  (a strategy function that rejects these args: see below)
+                strategies = self._ask_each(node, kind, args, outs, arg_candidates)
         result = NodeStrategies(strategies)
         if not strategies:
             rep = ("R",) * len(self.sizes)
-            result = NodeStrategies([Strategy(tuple(rep for _ in outs), tuple(rep for _ in args))], fallback=bool(self.sizes))
+            # an op without tensor inputs makes a constant (a mask, a scalar): replicated is exact, not a fallback
+            result = NodeStrategies([Strategy(tuple(rep for _ in outs), tuple(rep for _ in args))], fallback=bool(self.sizes) and bool(args))
         self.cache[key] = result
         return result
+
+    def _ask_each(self, node: fx.Node, kind: str, args: list[fx.Node], outs: list[int], arg_candidates: list[list[Spec]]) -> list[Strategy]:
+        """Ask once per combination of single input layouts, keeping the answers that come. Some
+        strategy functions reject the whole question when one candidate cannot be served (torch
+        2.11's view: "cannot be performed without redistribution"; 2.13 leaves that candidate out)."""
+        combos = list(itertools.product(*arg_candidates))
+        if len(combos) > _MAX_SEPARATE_QUESTIONS:
+            return []
+        found: dict[Strategy, None] = {}
+        for combo in combos:
+            try:
+                found.update(dict.fromkeys(self._ask(node, kind, args, outs, [[c] for c in combo])))
+            except Exception:  # noqa: BLE001  (this layout has no strategy: skip it)
+                continue
+        return list(found)
 
     def _schema_args(self, node: fx.Node, arg_candidates: list[list[Spec]], single: bool) -> tuple[tuple, dict]:
         it = iter(arg_candidates)

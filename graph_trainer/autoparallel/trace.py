@@ -13,8 +13,9 @@ costs.py). That keeps the solver's graph and the graph the plan is applied to th
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import fx, nn
@@ -149,6 +150,26 @@ def _rms_norm(x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor
 _DECOMPOSITIONS = {op.default: _rms_norm for op in [getattr(torch.ops.aten, "_fused_rms_norm", None)] if op is not None}
 
 
+_TRACED_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@contextmanager
+def _sdpa_wrappers_without_cudnn(module: nn.Module) -> Iterator[None]:
+    """torchtitan's SDPA wrapper enters `sdpa_kernel(self.sdpa_backends, set_priority=True)` with cuDNN
+    first, which overrides the caller's choice: take cuDNN out of its list while tracing."""
+    saved = []
+    for m in module.modules():
+        backends = getattr(m, "sdpa_backends", None)
+        if isinstance(backends, list) and SDPBackend.CUDNN_ATTENTION in backends:
+            saved.append((m, backends))
+            m.sdpa_backends = [b for b in backends if b != SDPBackend.CUDNN_ATTENTION]
+    try:
+        yield
+    finally:
+        for m, backends in saved:
+            m.sdpa_backends = backends
+
+
 def _trace_unit(fqn: str, module: nn.Module, args: tuple, kwargs: dict, param_dtype: torch.dtype, mode: FakeTensorMode, kind: int,
                 device: torch.device) -> UnitGraph:
     param_names = [n for n, _ in module.named_parameters()]
@@ -174,7 +195,7 @@ def _trace_unit(fqn: str, module: nn.Module, args: tuple, kwargs: dict, param_dt
     timeline = _ModuleTimeline(module, fqn)
     try:
         # DTensor's cuDNN-attention backward strategy is broken on torch 2.11: record another kernel
-        with mode, sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        with mode, sdpa_kernel(_TRACED_SDPA), _sdpa_wrappers_without_cudnn(module):
             gm = make_fx(fn, decomposition_table=_DECOMPOSITIONS, tracing_mode="real")(*fake_params, *fake_buffers, *tensors)
     except Exception as e:  # noqa: BLE001  (any failure becomes one line naming the module)
         where = timeline.stack[-1] if timeline.stack else fqn

@@ -27,6 +27,7 @@ from torch.fx import traceback as fx_traceback
 from graph_trainer.backends import get_backend
 
 from ..graph_dump import GraphDumper
+from ..models import traceable_attention
 from ..passes.registry import PassContext, Stage, apply_passes
 from ..train_step import LossFn
 from . import CaptureContext, register_capture
@@ -144,6 +145,7 @@ class AotStep:
         with contextlib.ExitStack() as stack:
             # Keeps `node.meta["custom"]` (regions.py's marks for regional_inductor) on traced nodes.
             stack.enter_context(fx_traceback.preserve_node_meta())
+            stack.enter_context(traceable_attention())
             joint = aot_export_joint_with_descriptors(stack, self.module, (inputs, labels))
             t1 = time.perf_counter()
             gm = joint.graph_module

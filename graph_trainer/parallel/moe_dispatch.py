@@ -91,10 +91,14 @@ class DispatchPlan:
         return 1 if self.ep_mesh is None else self.ep_mesh.size()
 
     def capacity(self, num_tokens: int) -> int:
-        pairs = num_tokens * self.top_k
-        if self.capacity_factor <= 0:
-            return pairs
-        return max(1, min(pairs, math.ceil(self.capacity_factor * pairs / self.ep)))
+        return buffer_rows(num_tokens * self.top_k, self.ep, self.capacity_factor)
+
+
+def buffer_rows(pairs: int, ep: int, capacity_factor: float) -> int:
+    """Rows of each peer's dispatch buffer for `pairs` local (token, expert) pairs."""
+    if capacity_factor <= 0:
+        return pairs
+    return max(1, min(pairs, math.ceil(capacity_factor * pairs / ep)))
 
 
 @dataclass

@@ -46,13 +46,41 @@ def inductor_decomposition(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         return make_fx(fx.Interpreter(gm).run, decomposition_table=select_decomp_table(), tracing_mode="real")(*inputs)
 
 
+def _drop_unused_opaque_inputs(gm: fx.GraphModule) -> list[int] | None:
+    """Remove placeholders that hold neither a tensor nor a number and that nothing reads; return the
+    positions of the inputs kept, or None when every input stays.
+
+    AOTAutograd on torch 2.13 passes a DTensor parameter's device mesh as a graph input of its own;
+    Inductor's compiled artifact leaves such an input out of the call while the code it generated
+    still counts it, so the call fails. The graph never reads it, so it need not be an input at all.
+    """
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    kept = []
+    for i, node in enumerate(placeholders):
+        if node.users or isinstance(node.meta.get("val"), (torch.Tensor, torch.SymInt, int, float, bool)):
+            kept.append(i)
+        else:
+            gm.graph.erase_node(node)
+    if len(kept) == len(placeholders):
+        return None
+    gm.recompile()
+    return kept
+
+
 def full_inductor_compilation(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
     """Compile the whole graph, collectives included, with Inductor."""
     inputs = fake_inputs(gm, ctx)
+    kept = _drop_unused_opaque_inputs(gm)
+    if kept is not None:
+        inputs = [inputs[i] for i in kept]
     # Under no_grad AOTAutograd inside Inductor compiles an inference graph: the backward is already in it.
-    with torch.no_grad():
-        compiled = standalone_compile(gm, inputs, dynamic_shapes="from_graph")
-    return Compiled(compiled, gm)
+    # The fake mode comes from the inputs: "from_graph" reads it off the outputs, which fails on an
+    # AOTAutograd backward graph whose outputs include None (inputs without a gradient).
+    with torch.no_grad(), tracing(TracingContext(detect_fake_mode(inputs))):
+        compiled = standalone_compile(gm, inputs, dynamic_shapes="from_tracing_context")
+    if kept is None:
+        return Compiled(compiled, gm)
+    return Compiled(lambda *args: compiled(*[args[i] for i in kept]), gm)
 
 
 def _is_collective(node: fx.Node) -> bool:
@@ -91,7 +119,9 @@ def regional_inductor_pass(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
 register_pass(PassSpec(
     name="inductor_decomposition",
     description="retrace the graph with Inductor's decomposition table (every node in Inductor's op set)",
-    stages=("joint", "forward", "backward", "train_step"),
+    # Not the aot joint graph: a retrace flattens its (primals, tangents) inputs into plain
+    # placeholders, and the partitioner, which finds tangents by name, would put them in forward.
+    stages=("forward", "backward", "train_step"),
     modes=GRAPH_MODES,
     fn=inductor_decomposition,
 ))
