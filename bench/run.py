@@ -6,7 +6,8 @@ device, model, batch and tokens, in one call. Writes `<out>/<date>-<suite>.json`
     python bench/run.py --suite h100 --tiny --out /tmp/b # CPU dry run of the graph-trainer runs
 
 A suite longer than one device call runs in parts (`--groups` or `--only`); a later part takes the
-earlier parts' JSON with `--merge`, so the last call writes the whole suite's report.
+earlier parts' JSON with `--merge`, so the last call writes the whole suite's report (a run measured
+in several parts keeps its latest result).
 
 Throughput is the median tokens/s per GPU of the steps after the warm-up; MFU is against the dense bf16
 peak of the spec sheet (989 TFLOP/s for H100 SXM and H200, torchtitan's table); peak memory is the
@@ -29,6 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 3
@@ -68,12 +70,13 @@ def suite_h100(steps: int) -> list[Run]:
     debug = ["--model.flavor", "debugmodel", "--training.seq_len", "2048", "--training.batch_size", "8",
              "--training.steps", str(steps * 2), "--training.random_tokens", "--training.deterministic"]
     flex = [*debug[:1], "debugmodel_flex_attn", *debug[2:]]
+    deepseek = ["--model.name", "deepseek_v3", *debug]
     # Bitwise pairs run deterministic kernels; batch 2 because unfused FX execution needs more memory.
     bitwise_1b = ["--model.flavor", "1B", "--training.seq_len", "4096", "--training.batch_size", "2", "--training.steps",
                   "5", "--training.random_tokens"]
     trace = ["--compile.mode", "aot_fx_trace"]
     full = [*trace, "--compile.inductor_compilation", "full"]
-    tuned = {"TORCHINDUCTOR_MAX_AUTOTUNE_GEMM": "1", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}
+    tuned = {"TORCHINDUCTOR_MAX_AUTOTUNE_GEMM": "1"}
     simple_fsdp = ["--job.custom_config_module", "torchtitan.experiments.simple_fsdp.job_config", "--compile.enable"]
     return [
         _titan("titan eager", "1B", "1B", 4, 4096, steps, 1, []),
@@ -87,13 +90,16 @@ def suite_h100(steps: int) -> list[Run]:
         _gt("gt aot_fx_trace regional", "1B", one_b, trace + ["--compile.inductor_compilation", "regional"]),
         _gt("gt aot_fx_trace full + cudagraph", "1B", one_b, full + ["--compile.passes", "cudagraph"]),
         _gt("gt aot_fx_trace full tuned kernels", "1B", one_b, full, env=tuned),
-        _gt("gt aot_fx_trace full auto-placed", "1B", one_b, full + ["--compile.autoparallel"]),
+        _gt("gt aot_fx_trace full auto-placed", "1B", one_b, full + ["--compile.autoparallel"], profile=True),
         _gt("gt eager deterministic", "1B bitwise", bitwise_1b, ["--compile.mode", "eager"]),
         _gt("gt aot_fx_trace deterministic", "1B bitwise", bitwise_1b, trace, bitwise_with="gt eager deterministic"),
         _gt("gt debug eager", "debug", debug, ["--compile.mode", "eager"]),
         _gt("gt debug aot_fx_trace", "debug", debug, trace, bitwise_with="gt debug eager"),
         _gt("gt debug full", "debug", debug, full),
         _gt("gt debug full + cudagraph", "debug", debug, full + ["--compile.passes", "cudagraph"], bitwise_with="gt debug full"),
+        _gt("gt deepseek eager", "deepseek debug", deepseek, ["--compile.mode", "eager"]),
+        _gt("gt deepseek aot_fx_trace", "deepseek debug", deepseek, trace, bitwise_with="gt deepseek eager"),
+        _gt("gt deepseek aot_fx_trace auto-placed", "deepseek debug", deepseek, trace + ["--compile.autoparallel"]),
         _gt("gt flex eager", "debug flex", flex, ["--compile.mode", "eager"]),
         _gt("gt flex aot_fx_trace", "debug flex", flex, trace),
         _gt("gt flex aot_fx_trace regional", "debug flex", flex, trace + ["--compile.inductor_compilation", "regional"]),
@@ -166,11 +172,20 @@ def _profile(dump: Path) -> dict:
             "busy_ms": summary["busy_ms"], "top_kernels": summary["top_kernels"][:8]}
 
 
+def _prediction(dump: Path) -> dict:
+    """The solver's predicted step of an auto-placed run (plan.json beside its metrics)."""
+    path = dump / "plan.json"
+    if not path.exists():
+        return {}
+    predicted = json.loads(path.read_text())["predicted"]
+    return {"predicted_step_s": predicted["compute_and_optimizer_s"] + predicted["communication_s"]}
+
+
 def summarize(run: Run, records: list[dict], wall_s: float, rc: int, tail: str) -> dict:
     steady = [r for r in records if r["step"] > WARMUP_STEPS and not r.get("profiled")] or records
     out = {"name": run.name, "group": run.group, "trainer": run.trainer, "nproc": run.nproc, "args": run.args,
            "returncode": rc, "wall_s": round(wall_s, 1), "steps": len(records),
-           "losses": [r["loss"] for r in records]}
+           "losses": [r["loss"] for r in records], "grad_norms": [r.get("grad_norm") for r in records]}
     if not records:
         out["error"] = tail
         return out
@@ -179,13 +194,15 @@ def summarize(run: Run, records: list[dict], wall_s: float, rc: int, tail: str) 
         tokens_per_second=statistics.median(r["tokens_per_second"] for r in steady),
         mfu=statistics.median(mfus) if mfus else None,
         peak_memory_gib=max(r["peak_memory_gib"] for r in records),
+        step_time_s=statistics.median(r["step_time_s"] for r in steady) if all("step_time_s" in r for r in steady) else None,
         time_to_first_step_s=records[0].get("time_to_first_step_s"),
     )
     return out
 
 
-def run_suite(runs: list[Run], runs_dir: Path, timeout: int) -> list[dict]:
-    results: list[dict] = []
+def run_suite(runs: list[Run], runs_dir: Path, timeout: int, earlier: list[dict], report: Callable[[list[dict]], Any]) -> list[dict]:
+    """Run each in turn; the report is rewritten after every run, so a call cut short keeps what ran."""
+    results: list[dict] = list(earlier)
     for run in runs:
         dump = runs_dir / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{run.group}-{run.name}")
         print(f"== {run.group}: {run.name}", flush=True)
@@ -199,13 +216,14 @@ def run_suite(runs: list[Run], runs_dir: Path, timeout: int) -> list[dict]:
         dump.mkdir(parents=True, exist_ok=True)
         (dump / "log.txt").write_text(output)
         result = summarize(run, _records(run, dump, output), time.perf_counter() - start, rc, _error_lines(output))
-        result.update(_profile(dump), env=run.env)
+        result.update(_profile(dump), **_prediction(dump), env=run.env)
         if run.bitwise_with:
             ref = next((r for r in results if r["name"] == run.bitwise_with and r["group"] == run.group), None)
             result["bitwise_with"] = run.bitwise_with
-            result["bitwise_equal"] = bool(ref and ref["losses"] and ref["losses"] == result["losses"])
+            result["bitwise_equal"] = bool(ref and ref["losses"] and (ref["losses"], ref.get("grad_norms")) == (result["losses"], result["grad_norms"]))
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k not in ("losses", "args")}), flush=True)
+        report(add_ratios(results))
     return add_ratios(results)
 
 
@@ -233,6 +251,13 @@ def write_report(results: list[dict], suite: str, out: Path, device: str, comman
         lines.append(f"| {r['group']} | {r['name']} | {fmt('tokens_per_second', ',.0f')} | {fmt('mfu', '.1f')} | "
                      f"{fmt('peak_memory_gib', '.1f')} | {fmt('time_to_first_step_s', '.0f')} | {fmt('exposed_comm_share', '.1f', 100)} | "
                      f"{fmt('ratio_to_titan_eager', '.2f')} | {bitwise} | {status} |")
+    predicted = [r for r in results if r.get("predicted_step_s") and r.get("step_time_s")]
+    if predicted:
+        lines += ["", "Auto-placed runs: the solver's predicted step (compute + optimizer + serial communication, "
+                      "plan.json) against the measured median step:", "",
+                  "| run | predicted ms | measured ms | predicted / measured |", "|---|---|---|---|"]
+        lines += [f"| {r['name']} | {1e3 * r['predicted_step_s']:.1f} | {1e3 * r['step_time_s']:.1f} | "
+                  f"{r['predicted_step_s'] / r['step_time_s']:.2f} |" for r in predicted]
     for r in results:
         if not r.get("top_kernels"):
             continue
@@ -295,11 +320,13 @@ def main() -> int:
     device = f"{device}, torch {torch.__version__}" if runs or not earlier else earlier[0]["device"]
     if any(e["device"] != device for e in earlier):
         parser.error(f"--merge: results from another device than {device}")
-    results = [r for e in earlier for r in e["results"]]
-    results += run_suite(runs, Path(a.runs_dir or tempfile.mkdtemp(prefix="bench-runs-")), a.timeout) if runs else []
+    # a later part that ran a run again replaces the earlier result of that run
+    results = list({(r["group"], r["name"]): r for e in earlier for r in e["results"]}.values())
     commands = [c for e in earlier for c in e.get("commands", [e.get("command", "")])]
+    commands.append(" ".join(["python", *sys.argv]))
     if runs:
-        commands.append(" ".join(["python", *sys.argv]))
+        runs_dir = Path(a.runs_dir or tempfile.mkdtemp(prefix="bench-runs-"))
+        results = run_suite(runs, runs_dir, a.timeout, results, lambda done: write_report(done, a.suite, out, device, commands))
     stem = write_report(add_ratios(results), a.suite, out, device, commands)
     print((stem.with_suffix(".md")).read_text())
     return 0

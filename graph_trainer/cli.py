@@ -16,10 +16,15 @@ from .config import ConfigError, JobConfig, parse_args
 EXIT_BAD_INPUT = 2
 
 
-def _error(message: str) -> int:
+def print_error(message: str) -> None:
+    """The one line every user-facing failure prints (with its rank when there are several)."""
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
     print(f"{prefix}graph-trainer: error: {message}", file=sys.stderr, flush=True)
+
+
+def _error(message: str) -> int:
+    print_error(message)
     return EXIT_BAD_INPUT
 
 

@@ -131,6 +131,32 @@ def traceable_attention() -> Iterator[None]:
         FlexAttentionWrapper._compiled_flex_attn = compiled
 
 
+def sdpa_wrappers(model: nn.Module) -> list[nn.Module]:
+    """torchtitan's SDPA modules: each calls `F.scaled_dot_product_attention` inside
+    `sdpa_kernel(self.sdpa_backends, set_priority=True)`, which overrides global backend switches."""
+    from torchtitan.models.attention import ScaledDotProductAttentionWrapper
+
+    return [m for m in model.modules() if isinstance(m, ScaledDotProductAttentionWrapper)]
+
+
+def drop_cudnn_attention(model: nn.Module) -> Callable[[], None]:
+    """Take cuDNN out of every SDPA module's backend list; returns the function that puts it back.
+
+    cuDNN attention's backward is not deterministic even in deterministic mode (it only warns), and
+    DTensor's strategy for it is broken on torch 2.11."""
+    from torch.nn.attention import SDPBackend
+
+    saved = [(m, m.sdpa_backends) for m in sdpa_wrappers(model)]
+    for m, backends in saved:
+        m.sdpa_backends = [b for b in backends if b != SDPBackend.CUDNN_ATTENTION]
+
+    def restore() -> None:
+        for m, backends in saved:
+            m.sdpa_backends = backends
+
+    return restore
+
+
 def transformer_blocks(model: nn.Module) -> dict[str, nn.Module]:
     """The repeated blocks by their FQN (`layers.0`, ...): the unit of bucketing, AC and solving."""
     return {f"layers.{k}": m for k, m in model.layers.items()}

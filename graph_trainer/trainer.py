@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -128,9 +127,12 @@ def set_determinism(cfg: JobConfig, device: torch.device) -> None:
     if cfg.training.deterministic:
         if device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            # cuDNN attention's backward is non-deterministic even in deterministic mode (it only warns).
+            # cuDNN attention's backward is non-deterministic even in deterministic mode (it only warns);
+            # the model's own SDPA modules are switched in GraphTrainer (models.drop_cudnn_attention).
             torch.backends.cuda.enable_cudnn_sdp(False)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        # warn_only would keep the fast kernels of ops that have a deterministic variant too: flash and
+        # memory-efficient attention pick their deterministic backward only when warnings are errors.
+        torch.use_deterministic_algorithms(True, warn_only=device.type == "cpu")
 
 
 def build_optimizer(model: torch.nn.Module, spec: models.ModelSpec, cfg: JobConfig, device: torch.device, meshes: Meshes, steps: int):
@@ -185,6 +187,8 @@ class GraphTrainer:
         placement_start = time.perf_counter()
         self.model = place_model(models.build_on_meta(spec, args, self.device.type), spec, args, self.meshes, mp, cfg)
         placement_s = time.perf_counter() - placement_start
+        if t.deterministic and self.device.type == "cuda":
+            models.drop_cudnn_attention(self.model)
         annotate_regions(self.model)
         models.install_attention_masks(self.model, self.tokenizer.eos_id)
         materialize(self.model, reference, self.device, t.seed)
@@ -235,7 +239,7 @@ class GraphTrainer:
     def next_batch(self, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.training.random_tokens:
             inputs, labels = random_batch(self.cfg.training.seed, self.step, micro, self.meshes.dp_rank(),
-                                          self.local_batch, self.cfg.training.seq_len, self.model.vocab_size)
+                                          self.local_batch, self.cfg.training.seq_len, self.model.model_args.vocab_size)
         else:
             inputs, labels = self.loader.next_batch()
         return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
@@ -311,9 +315,9 @@ def _is_comm_failure(e: BaseException) -> bool:
 
 
 def _fail(message: str, code: int) -> NoReturn:
-    env = DistEnv.from_environ()
-    prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
-    print(f"{prefix}graph-trainer: error: {message}", file=sys.stderr, flush=True)
+    from .cli import print_error
+
+    print_error(message)
     raise SystemExit(code)
 
 

@@ -129,3 +129,22 @@ def test_meta_impl_trains_like_eager():
     folder = cached_run((*SMALL, *DP2, "--compile.mode", "aot_fx_trace", "--compile.inductor_compilation",
                          "autoparallel_backend", "--compile.autoparallel_impl", "meta"), 2)
     assert losses(read_metrics(folder)) == pytest.approx(losses(eager), rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, placement", [("aot", "manual"), ("aot", "auto"), ("aot_fx_trace", "auto")])
+def test_trains_like_eager_in_aot_and_with_auto_placement(mode, placement):
+    """aot runs the backend's schedule and Inductor on the partitioned forward and backward graphs."""
+    eager = read_metrics(cached_run((*SMALL, *DP2), 2))
+    auto = ("--compile.autoparallel",) if placement == "auto" else ()
+    folder = cached_run((*SMALL, *DP2, *auto, "--compile.mode", mode, "--compile.inductor_compilation",
+                         "autoparallel_backend", "--compile.dump_graphs"), 2)
+    assert losses(read_metrics(folder)) == pytest.approx(losses(eager), rel=1e-4)
+    stages = [s["stage"] for s in json.loads((folder / "graphs" / "summary.json").read_text())["stages"]]
+    if mode == "aot":
+        own = OWN[1:]  # resharding is the partitioner's choice in aot
+        assert stages == ["joint", *[f"{graph}{suffix}" for graph in ("forward", "backward") for suffix in ["", *(f"_{p}" for p in own)]]]
+    else:
+        assert stages == ["traced", *OWN]
+    if placement == "auto":
+        assert (folder / "placements.json").exists()

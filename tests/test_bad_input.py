@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -35,7 +35,6 @@ class Case:
     """Prepares files: (earlier run's dump folder, a scratch folder)."""
     proc: bool = False
     command: str = "train"
-    marks: list = field(default_factory=list)
 
 
 def _write(name: str, text: str) -> Callable[[Path, Path], None]:
@@ -79,16 +78,8 @@ def _pass_case(kind: str) -> Case:
             return Case(f"pass_requires_{spec.name}", ["--compile.mode", "aot_fx_trace", "--compile.passes", spec.name], spec.requires[0])
         if kind == "mode" and "eager" not in spec.modes:
             return Case(f"pass_in_eager_{spec.name}", ["--compile.mode", "eager", "--compile.passes", spec.name], "--compile.mode")
-    reason = f"the pass registry declares no pass with a {kind} constraint yet"
-    return Case(f"pass_{kind}", [], "", marks=[pytest.mark.skip(reason=reason)])
+    raise AssertionError(f"the pass registry declares no pass with a {kind} constraint")
 
-
-def _plan_available() -> bool:
-    try:
-        from graph_trainer.plan import cmd_plan  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 CASES = [
@@ -161,8 +152,7 @@ CASES = [
     Case("ckpt_truncated_on_rank_1", ["--checkpoint.enable", "--parallelism.dp_shard", "2"], "fallback_to_previous",
          world_size=2, setup=_truncate_latest, proc=True),
     Case("plan_of_other_mesh", ["--compile.autoparallel", "--compile.autoparallel_plan", "{scratch}/plan.json", "--parallelism.dp_shard", "4", "--training.batch_size", "8"],
-         "plan", world_size=4, setup=_plan_of_other_mesh,
-         marks=[] if _plan_available() else [pytest.mark.skip(reason="graph_trainer.plan (the solver helper's `graph-trainer plan`) does not exist yet")]),
+         "plan", world_size=4, setup=_plan_of_other_mesh),
 ]
 
 
@@ -183,7 +173,7 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, str]]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_bad_input_exits_2_with_one_line(case: Case, earlier_run: Path, tmp_path: Path, monkeypatch, capsys):
     prev, scratch = tmp_path / "prev", tmp_path / "scratch"
     shutil.copytree(earlier_run, prev)
@@ -226,5 +216,5 @@ def test_bad_input_exits_2_with_one_line(case: Case, earlier_run: Path, tmp_path
 
 
 def test_matrix_is_large_enough():
-    assert len([c for c in CASES if not c.marks]) >= 30
+    assert len(CASES) >= 30
     assert len({c.id for c in CASES}) == len(CASES)

@@ -9,7 +9,6 @@ with a signal and resuming it is tested in test_faults.py.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -75,12 +74,11 @@ def test_resume_is_bitwise(mode, model, reference, tmp_path, data):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("graph_trainer.autoparallel.apply") is None,
-                    reason="auto placement (--compile.autoparallel, graph_trainer/autoparallel/apply.py) does not exist yet")
-def test_resume_is_bitwise_with_auto_placement(reference, tmp_path, data):
+@pytest.mark.parametrize("mode", ["eager", "jit", "aot", "aot_fx_trace"])
+def test_resume_is_bitwise_with_auto_placement(mode, reference, tmp_path, data):
     placed = ("--compile.autoparallel", "--parallelism.dp_shard", "2")
-    straight = read_metrics(reference("aot_fx_trace", 2, *placed))
-    resumed = resume(reference("aot_fx_trace", 2, *placed), tmp_path, data, "--compile.mode", "aot_fx_trace", *placed, nproc=2)
+    straight = read_metrics(reference(mode, 2, *placed))
+    resumed = resume(reference(mode, 2, *placed), tmp_path, data, "--compile.mode", mode, *placed, nproc=2)
     assert [r["step"] for r in resumed] == [6, 7, 8, 9, 10]
     assert losses(resumed) == losses(straight)[5:]
     assert grad_norms(resumed) == grad_norms(straight)[5:]

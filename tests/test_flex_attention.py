@@ -69,3 +69,30 @@ def test_traced_graph_masks_each_batch_by_its_own_documents(flex_and_sdpa):
     for seed, eos_at in ((4, 20), (5, 70)):
         tokens = _tokens(seed, eos_at)
         torch.testing.assert_close(graph(tokens), flex(tokens), rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_regions_leave_flex_attention_score_and_mask_functions_to_the_op(flex_and_sdpa):
+    """Inductor compiles FlexAttention's score and mask subgraphs with the op; a region mark left
+    inside them makes torch 2.11's regional_inductor compile them apart, and the op then fails."""
+    from torch.fx import traceback as fx_traceback
+
+    from graph_trainer.passes.inductor import unmark_subgraphs
+    from graph_trainer.regions import REGION_KEY, annotate_regions
+
+    flex = annotate_regions(_model("debugmodel_flex_attn"))
+    state = {**dict(flex.named_parameters()), **dict(flex.named_buffers())}
+    with models.traceable_attention(), fx_traceback.preserve_node_meta():
+        gm = make_fx(lambda s, t: torch.func.functional_call(flex, s, (t,)), tracing_mode="fake")(state, _tokens(3, 100))
+
+    def marked(graph):
+        return [n for n in graph.nodes if REGION_KEY in (n.meta.get("custom") or {})]
+
+    subgraphs = [getattr(gm, n.target) for n in gm.graph.find_nodes(op="get_attr")]
+    subgraphs = [s for s in subgraphs if isinstance(s, torch.fx.GraphModule)]
+    flex_ops = [n for n in gm.graph.nodes if "flex_attention" in str(n.target)]
+    assert len(flex_ops) == 6 and len(subgraphs) == 12
+    assert all(marked(s.graph) for s in subgraphs)
+    unmark_subgraphs(gm)
+    assert not any(marked(s.graph) for s in subgraphs)
+    assert set(flex_ops) <= set(marked(gm.graph))

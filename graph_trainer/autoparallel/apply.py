@@ -15,6 +15,8 @@ dtype casts may differ.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import operator
 from typing import Any
@@ -23,8 +25,11 @@ import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.nn import functional as F
+from torch.nn.attention import sdpa_kernel
 
 from ..config import ConfigError
+from ..models import sdpa_wrappers
 from . import compat, moe
 from .planner import DP_DIMS, canonical_op
 from .strategies import Strategy, placement_of
@@ -141,7 +146,7 @@ class UnitRunner:
                 env[node.name] = env[node.args[0].name][node.args[1]]
                 continue
             ins, outs = self.node_plan.get(node.name, (None, None))
-            counter = iter(range(1 << 30))
+            counter = itertools.count()
 
             def load(a: Any) -> Any:
                 if not isinstance(a, fx.Node):
@@ -157,6 +162,8 @@ class UnitRunner:
             if node.name in self.moe_ops:
                 path, strategy = self.moe_ops[node.name]
                 result = moe.run_routed_experts(module.get_submodule(path), self.mesh, strategy, call_args, self._p)
+            elif (attention := self._local_attention(module, node, call_args)) is not None:
+                result = attention
             elif not _has_dtensor(call_args, call_kwargs):
                 # an op without tensor inputs makes a constant (a mask, a scalar): the same on every rank
                 result = self._replicated(node.target(*call_args, **call_kwargs))
@@ -174,6 +181,34 @@ class UnitRunner:
         if tuple(t.placements) == tuple(placements):
             return t
         return t.redistribute(self.mesh, placements)
+
+    # Dynamo (jit) breaks its graph at the kernel switch and cannot rebuild the local views of the
+    # rotary embedding's complex tensors in the frame it resumes: it runs this as it is.
+    @torch._dynamo.disable
+    def _local_attention(self, module: nn.Module, node: fx.Node, args: Any) -> tuple | None:
+        """Attention whose q, k and v share a layout split only over batch or heads is computed per rank
+        on the local shards, through the model's SDPA module so that it picks the kernel the manual
+        plan runs (cuDNN on Hopper) rather than the one recorded when tracing (DTensor's strategy for
+        cuDNN attention's backward is broken on torch 2.11). None: not such an op, run it as traced."""
+        # only the output may be read: the logsumexp and RNG state belong to the recorded kernel
+        if canonical_op(node) != "attention" or any(u.target is not operator.getitem or (u.args[1] != 0 and u.users)
+                                                    for u in node.users):
+            return None
+        q, k, v = args[:3]
+        if not all(isinstance(t, DTensor) and t.placements == q.placements for t in (k, v)):
+            return None
+        if not all(p.is_replicate() or (p.is_shard() and p.dim in (0, 1)) for p in q.placements):
+            return None
+        named = node.normalized_arguments(self.unit.gm, normalize_to_only_use_kwargs=True).kwargs
+        if named.get("attn_mask") is not None or named.get("attn_bias") is not None:
+            return None
+        wrappers = sdpa_wrappers(module)
+        with sdpa_kernel(wrappers[0].sdpa_backends, set_priority=True) if wrappers else contextlib.nullcontext():
+            # CUDA kernels take grouped-query k and v with fewer heads as they are; the CPU one got them repeated
+            out = F.scaled_dot_product_attention(q.to_local(), k.to_local(), v.to_local(), dropout_p=named.get("dropout_p", 0.0),
+                                                 is_causal=named.get("is_causal", False), scale=named.get("scale"),
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+        return (self._wrap(out, q.placements),) + (None,) * (len(node.meta["val"]) - 1)
 
     def _run_local(self, node: fx.Node, args: Any, kwargs: Any) -> Any:
         """The fallback: every input replicated, the op runs on whole local tensors."""

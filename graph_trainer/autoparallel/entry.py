@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import ConfigError, JobConfig
+from . import report
 from .costs import GiB, Hardware
 from .planner import MeshInfo, Settings, plan_model
 
@@ -149,6 +150,8 @@ def place(model: nn.Module, spec: Any, args: Any, meshes: Any, mp: Any, cfg: Job
         if not dist.is_initialized() or dist.get_rank() == 0:
             solver_mesh = meshes.dense[info.solver_names] if info.solver_names else None
             box[0] = solve(cfg, model, args, info, solver_mesh, device, mp.param_dtype)
+            # beside metrics.jsonl, so that a run's predicted step can be held against its measured one
+            report.write(box[0], cfg.job.dump_folder)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)
         plan = box[0]

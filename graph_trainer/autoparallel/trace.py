@@ -25,6 +25,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config import ConfigError
+from ..models import drop_cudnn_attention
 from .compat import current_trace_graph
 
 
@@ -154,20 +155,12 @@ _TRACED_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPB
 
 
 @contextmanager
-def _sdpa_wrappers_without_cudnn(module: nn.Module) -> Iterator[None]:
-    """torchtitan's SDPA wrapper enters `sdpa_kernel(self.sdpa_backends, set_priority=True)` with cuDNN
-    first, which overrides the caller's choice: take cuDNN out of its list while tracing."""
-    saved = []
-    for m in module.modules():
-        backends = getattr(m, "sdpa_backends", None)
-        if isinstance(backends, list) and SDPBackend.CUDNN_ATTENTION in backends:
-            saved.append((m, backends))
-            m.sdpa_backends = [b for b in backends if b != SDPBackend.CUDNN_ATTENTION]
+def _without_cudnn_attention(module: nn.Module) -> Iterator[None]:
+    restore = drop_cudnn_attention(module)
     try:
         yield
     finally:
-        for m, backends in saved:
-            m.sdpa_backends = backends
+        restore()
 
 
 def _trace_unit(fqn: str, module: nn.Module, args: tuple, kwargs: dict, param_dtype: torch.dtype, mode: FakeTensorMode, kind: int,
@@ -195,7 +188,7 @@ def _trace_unit(fqn: str, module: nn.Module, args: tuple, kwargs: dict, param_dt
     timeline = _ModuleTimeline(module, fqn)
     try:
         # DTensor's cuDNN-attention backward strategy is broken on torch 2.11: record another kernel
-        with mode, sdpa_kernel(_TRACED_SDPA), _sdpa_wrappers_without_cudnn(module):
+        with mode, sdpa_kernel(_TRACED_SDPA), _without_cudnn_attention(module):
             gm = make_fx(fn, decomposition_table=_DECOMPOSITIONS, tracing_mode="real")(*fake_params, *fake_buffers, *tensors)
     except Exception as e:  # noqa: BLE001  (any failure becomes one line naming the module)
         where = timeline.stack[-1] if timeline.stack else fqn

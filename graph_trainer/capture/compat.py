@@ -7,7 +7,8 @@ keyword arguments past the first positional ones, because their keyword sets are
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import fx
@@ -35,6 +36,7 @@ __all__ = [
     "aot_export_joint_with_descriptors",
     "make_boxed_func",
     "min_cut_partition",
+    "untraced_sharding_propagation",
 ]
 
 
@@ -70,3 +72,32 @@ def min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outpu
     fw.recompile()
     bw.recompile()
     return fw, bw
+
+
+@contextlib.contextmanager
+def untraced_sharding_propagation() -> Iterator[None]:
+    """While make_fx traces, keep DTensor's output-shape propagation out of the graph.
+
+    DTensor derives an op's global output shape by running the op on fake global-shape tensors made
+    on the default device. torch 2.13 does that with make_fx's proxy tracing disabled; torch 2.11
+    does not, so the traced graph gets a dead copy of every DTensor op on CPU tensors. Run as FX,
+    the copies cost CPU time each step, and under deterministic algorithms their uninitialized index
+    tensors are filled with out-of-range values, so the copied embedding fails.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    original = ShardingPropagator.__dict__.get("_propagate_tensor_meta_non_cached")
+    if original is None:  # another torch: nothing known to guard
+        yield
+        return
+
+    def propagate(self: ShardingPropagator, op_schema: Any) -> Any:
+        with disable_proxy_modes_tracing():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original

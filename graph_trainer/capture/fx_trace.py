@@ -24,8 +24,9 @@ from ..graph_dump import GraphDumper
 from ..models import traceable_attention
 from ..passes.registry import PassContext
 from ..regions import BackwardSeqNr, copy_marks_to_backward
-from ..train_step import FunctionalTrainStep, ParamSpec, accumulate_grads, named_buffers
+from ..train_step import FunctionalTrainStep, accumulate_grads, named_buffers
 from . import CaptureContext, register_capture
+from .compat import untraced_sharding_propagation
 
 
 class TraceError(RuntimeError):
@@ -79,7 +80,7 @@ def trace_train_step(
             # preserve_node_meta keeps `node.meta["custom"]` (regions.py's marks) and `seq_nr`;
             # BackwardSeqNr ties each backward op's `seq_nr` to its forward op, through which the
             # marks are then copied to the backward of the marked regions.
-            with mode, fx_traceback.preserve_node_meta(), BackwardSeqNr(), traceable_attention():
+            with mode, fx_traceback.preserve_node_meta(), BackwardSeqNr(), traceable_attention(), untraced_sharding_propagation():
                 gm = make_fx(flat_step, tracing_mode="real")(*fake_args)
         except Exception as e:  # noqa: BLE001  (any trace failure becomes one actionable error)
             where = stack[-1] if stack else "the loss or backward"

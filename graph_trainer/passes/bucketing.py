@@ -512,8 +512,10 @@ register_pass(PassSpec(
     name="autoparallel_scheduling",
     description="autoparallel backend's collective schedule: bucket size and issue points chosen by the "
                 "simulated step time (alpha-beta comm, roofline compute of the fused graph)",
-    stages=("train_step",),
-    modes=("aot_fx_trace",),
+    # Not the aot joint graph: the partitioner reorders its nodes afterwards. On aot's forward and
+    # backward graphs it schedules each graph's own collectives.
+    stages=("train_step", "forward", "backward"),
+    modes=GRAPH_MODES,
     fn=autoparallel_scheduling,
     conflicts=tuple(p for p in _BUCKETING if p != "autoparallel_scheduling"),
 ))

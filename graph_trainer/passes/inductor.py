@@ -88,6 +88,25 @@ def _is_collective(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.namespace in ("_c10d_functional", "c10d_functional")
 
 
+def _without_mark(node: fx.Node) -> None:
+    custom = node.meta.get("custom")
+    if custom and REGION_KEY in custom:
+        node.meta["custom"] = {k: v for k, v in custom.items() if k != REGION_KEY}
+
+
+def unmark_subgraphs(gm: fx.GraphModule) -> None:
+    """Clear the region mark inside the subgraphs a higher-order op calls (FlexAttention's score and
+    mask functions): Inductor compiles them as part of that op. torch 2.11's regional_inductor would
+    also make each of them a compiled region of its own, a boxed callable the op then calls with the
+    wrong arguments."""
+    for node in gm.graph.find_nodes(op="get_attr"):
+        sub = getattr(gm, node.target)
+        if isinstance(sub, fx.GraphModule):
+            for inner in sub.graph.nodes:
+                _without_mark(inner)
+            unmark_subgraphs(sub)
+
+
 def regional_inductor_pass(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
     """Compile each marked region with Inductor; everything else keeps running as FX.
 
@@ -95,12 +114,13 @@ def regional_inductor_pass(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
     graph (and the bucketing passes before this one) put it; inside a compiled region they would be
     waited on within it.
     """
+    unmark_subgraphs(gm)
     marked = 0
     for node in gm.graph.nodes:
         custom = node.meta.get("custom")
         if custom and REGION_KEY in custom:
             if _is_collective(node):
-                node.meta["custom"] = {k: v for k, v in custom.items() if k != REGION_KEY}
+                _without_mark(node)
             else:
                 marked += 1
     if not marked:
