@@ -81,7 +81,6 @@ def _pass_case(kind: str) -> Case:
     raise AssertionError(f"the pass registry declares no pass with a {kind} constraint")
 
 
-
 CASES = [
     # command line
     Case("unknown_command", [], "use one of: train", command="trian"),
