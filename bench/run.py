@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from graph_trainer.compare import free_port
+from graph_trainer.metrics import read_metrics
+
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 3
 
@@ -133,8 +136,7 @@ def _profiling_args(run: Run) -> list[str]:
 
 
 def _command(run: Run, dump: Path) -> list[str]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(run.nproc), "--master-port",
-                str(29500 + os.getpid() % 1000)]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(run.nproc), "--master-port", str(free_port())]
     if run.trainer == "gt":
         return launcher + ["-m", "graph_trainer", "train", "--job.dump_folder", str(dump), *run.args, *_profiling_args(run)]
     return launcher + ["-m", "torchtitan.train", "--job.dump_folder", str(dump), *run.args]
@@ -146,8 +148,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 def _records(run: Run, dump: Path, output: str) -> list[dict]:
     if run.trainer == "gt":
-        path = dump / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return read_metrics(dump)
     records = []
     for line in _ANSI.sub("", output).splitlines():
         m = _TITAN_LINE.search(line)

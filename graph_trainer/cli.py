@@ -114,4 +114,3 @@ def entry_point() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-

@@ -36,13 +36,7 @@ def is_collective(name: str) -> bool:
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if stop <= end:
-            continue
-        total += stop - max(start, end)
-        end = stop
-    return total
+    return sum(stop - start for start, stop in _merge(intervals))
 
 
 def uncovered_length(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:

@@ -147,12 +147,17 @@ def work_fraction(strategy: Strategy, sizes: Sequence[int]) -> int:
     return math.prod(n for m, n in enumerate(sizes) if any(s[m] != "R" for s in strategy.ins + strategy.outs))
 
 
+def roofline(flops: float, nbytes: float, dtype: torch.dtype, hw: Hardware) -> float:
+    """Seconds for work bound by the tensor cores or by HBM, whichever is slower, at the hardware's efficiency."""
+    return max(flops / (hw.efficiency * hw.peak_flops(dtype)), nbytes / (hw.efficiency * hw.hbm_bytes_per_s))
+
+
 def compute_time(flops: float, in_bytes: Sequence[float], out_bytes: Sequence[float], strategy: Strategy,
                  sizes: Sequence[int], dtype: torch.dtype, hw: Hardware, needs_grad: bool) -> float:
     split = work_fraction(strategy, sizes)
     moved = sum(b / shard_factor(s, sizes) for b, s in zip(in_bytes, strategy.ins))
     moved += sum(b / shard_factor(s, sizes) for b, s in zip(out_bytes, strategy.outs))
-    t = max(flops / split / (hw.efficiency * hw.peak_flops(dtype)), moved / (hw.efficiency * hw.hbm_bytes_per_s))
+    t = roofline(flops / split, moved, dtype, hw)
     if needs_grad:
         t *= 3.0 if flops else 2.0
     return t

@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor
 
 from ..parallel.expert_parallel import MoEPlan, StaticDispatchMoE
 from ..parallel.moe_dispatch import DispatchPlan, buffer_rows, dispatch_and_combine, route
-from .costs import CommModel, Hardware, grad_spec
+from .costs import CommModel, Hardware, grad_spec, roofline
 from .strategies import Spec, Strategy, evenly_sharded
 from .trace import UnitGraph
 
@@ -162,7 +162,7 @@ def strategy_cost(node: fx.Node, strategy: Strategy, sizes: Sequence[int], comm:
     flops = 6.0 * local_pairs * dim * hidden / hidden_split
     weight_bytes = sum(w.numel() for w in (w1, w2, w3)) * w1.element_size() / weight_split
     row_bytes = local_pairs * (2 * dim + 3 * hidden / hidden_split) * itemsize
-    compute = 3.0 * max(flops / (hw.efficiency * hw.peak_flops(tokens.dtype)), (weight_bytes + row_bytes) / (hw.efficiency * hw.hbm_bytes_per_s))
+    compute = 3.0 * roofline(flops, weight_bytes + row_bytes, tokens.dtype, hw)
     collectives = []
     for m, c in enumerate(choices):
         if c != "experts":
