@@ -5,5 +5,7 @@ PyPI package).
 """
 
 from .base import Backend, get_backend, register_backend, backend_names
+from . import native  # noqa: F401,E402  (each backend module registers itself on import)
+from . import autoparallel  # noqa: F401,E402
 
 __all__ = ["Backend", "get_backend", "register_backend", "backend_names"]

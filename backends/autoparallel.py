@@ -1,16 +1,16 @@
 """autoparallel_backend: AutoParallel-style compilation of the train-step graph.
 
-Its pass list, each stage dumped by `apply_passes`:
-1. `reshard_after_forward` (acts as `parallelism.reshard_after_forward` says; default: reshard);
-2. the user's `--compile.passes` (graph passes; they see one collective per parameter);
-3. `autoparallel_scheduling`: its own schedule of the collectives on the aten graph, bucket sizes
+Its pass list, each stage dumped by `apply_passes`, runs after the capture's own `reshard_after_forward`
+(the graph it gets already holds the backward all-gathers `--parallelism.reshard_after_forward` asks for):
+1. the user's `--compile.passes` (graph passes; they see one collective per parameter);
+2. `autoparallel_scheduling`: its own schedule of the collectives on the aten graph, bucket sizes
    and the issue point of every bucket chosen by the simulated step time under the cost model
    (alpha-beta collectives on the mesh's links, roofline compute of the graph as Inductor will fuse it);
-4. `inductor_decomposition` + `full_inductor_compilation`: Inductor compiles the whole graph,
-   collectives included, in the order step 3 left them;
-5. a user's `cudagraph` (or any pass that must be last) stays last.
+3. `inductor_decomposition` + `full_inductor_compilation`: Inductor compiles the whole graph,
+   collectives included, in the order step 2 left them;
+4. a user's `cudagraph` (or any pass that must be last) stays last.
 
-`--compile.autoparallel_impl meta` makes step 3 run Meta AutoParallel's aten bucketing/reordering
+`--compile.autoparallel_impl meta` makes step 2 run Meta AutoParallel's aten bucketing/reordering
 pass instead of ours (when the package is installed; `check_config` refuses it up front otherwise).
 """
 
@@ -28,7 +28,6 @@ from graph_trainer.passes.registry import PassContext, apply_passes, load_passes
 from .base import register_backend
 
 NAME = "autoparallel_backend"
-FIRST = ["reshard_after_forward"]
 SCHEDULE_AND_COMPILE = ["autoparallel_scheduling", "inductor_decomposition", "full_inductor_compilation"]
 
 
@@ -46,11 +45,11 @@ class AutoParallelBackend:
     name: str = NAME
 
     def pass_names(self, user_passes: list[str]) -> list[str]:
-        own = FIRST + SCHEDULE_AND_COMPILE
+        own = SCHEDULE_AND_COMPILE
         passes = load_passes()
         rest = [p for p in user_passes if p not in own]
         at = next((i for i, p in enumerate(rest) if p in passes and passes[p].must_be_last), len(rest))
-        return FIRST + rest[:at] + SCHEDULE_AND_COMPILE + rest[at:]
+        return rest[:at] + SCHEDULE_AND_COMPILE + rest[at:]
 
     def compile(self, gm: fx.GraphModule, ctx: PassContext) -> Callable[..., Any]:
         check_config(ctx.cfg)

@@ -2,7 +2,8 @@
 
 A backend takes the traced train-step graph, its example inputs and a `PassContext` (config, mesh,
 placements) and returns the callable that runs one step with the same inputs and outputs. The trainer
-and the capture modes only call `get_backend(name).compile(...)`.
+and the capture modes only call `get_backend(name).compile(...)`. The registry knows no backend:
+each registers itself, and the package (`__init__.py`) imports them all.
 """
 
 from __future__ import annotations
@@ -35,20 +36,9 @@ def register_backend(name: str) -> Callable[[Callable[[], Backend]], Callable[[]
     return deco
 
 
-def _load() -> None:
-    from . import native  # noqa: F401  (each module registers its backends on import)
-
-    try:
-        from . import autoparallel  # noqa: F401
-    except ImportError:
-        pass
-
-
 def backend_names() -> list[str]:
-    _load()
     return list(_BACKENDS)
 
 
 def get_backend(name: str) -> Backend:
-    _load()
     return _BACKENDS[name]()

@@ -1,6 +1,6 @@
 """A torchtitan 0.2.2 train spec for the benchmarks, loaded with `--experimental.custom_import
 bench.titan_spec`: llama3 with our `1B` flavor (`--model.name gt_llama3`, and its SimpleFSDP experiment as
-`gt_simple_fsdp_llama3`), fed the same random tokens graph-trainer's `--training.random_tokens` gives
+`gt_simple_fsdp_llama3`) and torchtitan's DeepSeek V3 (`gt_deepseek_v3`, its own flavors), fed the same random tokens graph-trainer's `--training.random_tokens` gives
 (graph_trainer.data.random_tokens)."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import dataclasses
 
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.experiments.simple_fsdp.llama3 import get_train_spec as get_simple_fsdp_train_spec
+from torchtitan.models.deepseek_v3 import get_train_spec as get_deepseek_v3_train_spec
 from torchtitan.models.llama3 import get_train_spec
+from torchtitan.protocols.train_spec import get_train_spec as registered_spec
 from torchtitan.protocols.train_spec import register_train_spec
 
 from graph_trainer import models
@@ -35,7 +37,7 @@ class SameTokens(BaseDataLoader):
 
 
 def _build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite=True):
-    flavor = models.get_spec("llama3").flavors[job_config.model.flavor]
+    flavor = registered_spec(job_config.model.name).model_args[job_config.model.flavor]
     return SameTokens(dp_rank, job_config.training.local_batch_size, job_config.training.seq_len, flavor.vocab_size,
                       job_config.debug.seed or 0)
 
@@ -46,3 +48,4 @@ def _same_model_and_tokens(spec):
 
 register_train_spec("gt_llama3", _same_model_and_tokens(get_train_spec()))
 register_train_spec("gt_simple_fsdp_llama3", _same_model_and_tokens(get_simple_fsdp_train_spec()))
+register_train_spec("gt_deepseek_v3", dataclasses.replace(get_deepseek_v3_train_spec(), build_dataloader_fn=_build_dataloader))

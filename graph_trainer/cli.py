@@ -1,4 +1,4 @@
-"""`graph-trainer train | plan | compare` (also `python -m graph_trainer`).
+"""`graph-trainer train | plan | compare | export` (also `python -m graph_trainer`).
 
 Argument and config errors become one line on stderr and exit code 2, before any process group or
 model exists; `--help` is rendered by tyro from the config dataclasses.
@@ -59,8 +59,32 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+def cmd_export(argv: list[str]) -> int:
+    """`graph-trainer export --checkpoint STEP_FOLDER --out HF_FOLDER`: a saved DCP step as a Hugging Face checkpoint."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="graph-trainer export", description=cmd_export.__doc__)
+    parser.add_argument("--checkpoint", required=True, help="a complete step folder, e.g. outputs/checkpoint/step-20")
+    parser.add_argument("--out", required=True, help="folder for model.safetensors and config.json (replaced if it exists)")
+    try:
+        opts = parser.parse_args(argv)
+    except SystemExit as e:
+        return EXIT_BAD_INPUT if e.code else 0
+    from .checkpoint import CheckpointError
+
+    _setup_logging()
+    from .hf_checkpoint import export
+
+    try:
+        export(Path(opts.checkpoint), Path(opts.out))
+    except CheckpointError as e:
+        return _error(str(e))
+    return 0
+
+
 def _commands() -> dict[str, Callable[[list[str]], int]]:
-    commands: dict[str, Callable[[list[str]], int]] = {"train": cmd_train}
+    commands: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "export": cmd_export}
     try:
         from .plan import cmd_plan
 

@@ -52,7 +52,7 @@ SPEC_GRAMMAR = "PLACEMENT[:BACKEND[:PASSES[:MODE]]], e.g. auto, manual:full, man
 RESERVED_FLAGS = {
     "compile.mode": "put the mode in --runs, e.g. manual:::eager",
     "compile.inductor_compilation": "put the backend in --runs, e.g. manual:full",
-    "compile.passes": "put the passes in --runs, e.g. manual:none:auto_bucketing+reshard_after_forward",
+    "compile.passes": "put the passes in --runs, e.g. manual:full:auto_bucketing+cudagraph",
     "compile.autoparallel": "choose the placement in --runs: manual or auto",
     "compile.dump_graphs": "compare always dumps the graphs; drop the flag",
     "job.dump_folder": "use --out",

@@ -31,13 +31,16 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama3"
-    """Model family: llama3 or deepseek_v3."""
+    """Model family: llama3, deepseek_v3 or qwen3."""
     flavor: str = "debugmodel"
     """Size of the model inside its family (e.g. debugmodel, 1B, 8B, 70B, 16B, 671B)."""
     tokenizer_path: str = ""
     """A HF tokenizer.json (file or folder). Empty: the tokenizer shipped with the package."""
     n_layers: int = 0
     """Override the flavor's number of layers (0 keeps it); for benchmarks of a model cut short."""
+    attention: Literal["flavor", "sdpa"] = "flavor"
+    """flavor: the flavor's attention (FlexAttention with document masks for llama3 *_flex_attn and
+    DeepSeek V3 16B/236B/671B, as torchtitan); sdpa: causal SDPA over packed documents instead."""
 
 
 @dataclass
@@ -65,6 +68,11 @@ class Training:
     """Dtype gradients are reduced in across data-parallel ranks."""
     random_tokens: bool = False
     """Train on random token ids instead of the corpus (throughput benchmarks)."""
+    loss: Literal["cross_entropy", "fused_linear_ce"] = "cross_entropy"
+    """fused_linear_ce: the output projection and cross-entropy chunked over tokens, so the [tokens, vocab]
+    logits never exist whole (saves about their fp32 size at a 128k vocabulary)."""
+    loss_chunk_tokens: int = 2048
+    """With --training.loss fused_linear_ce: tokens per chunk (each chunk's logits are chunk x vocab)."""
 
 
 @dataclass
@@ -102,7 +110,8 @@ class Parallelism:
     ep: int = 1
     """Expert-parallel degree for MoE models; must divide dp_shard * tp."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """Free gathered parameters after forward and gather again in backward (default: yes)."""
+    """Free gathered parameters after forward and gather again in backward: always, never, or default (all but the
+    last transformer block, final norm and output, which backward needs first), in every mode."""
     moe_capacity_factor: float = 0.0
     """Expert-parallel dispatch buffer per peer as a multiple of the even share; 0: no token is ever dropped."""
 
@@ -123,18 +132,26 @@ class Compile:
     """Per-rank cap on parameters + gradients + optimizer state: a fraction of device memory (0.5) or GiB (20GiB)."""
     autoparallel_plan: str = ""
     """Reuse a plan.json written by `graph-trainer plan` instead of solving."""
+    hardware: Literal["auto", "h100", "h200", "cpu"] = "auto"
+    """Device the cost models price for (solver, scheduling passes, prediction.json): auto = the one the job runs on."""
     dump_graphs: bool = False
     """Write the graph after each stage and summary.json under <dump_folder>/graphs/."""
     list_passes: bool = False
     """Print the pass registry as a table and exit."""
+    optimizer_in_graph: bool = False
+    """aot_fx_trace: gradient clipping and the AdamW update traced into the train-step graph and compiled with it."""
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward: none, every block (full), or selected ops/blocks."""
+    mode: Literal["none", "full", "selective", "memory_budget"] = "none"
+    """Recompute activations in backward: none, every block (full), selected ops/blocks, or per activation
+    under --activation_checkpoint.memory_budget (aot_fx_trace)."""
     selective_ac_option: str = "2"
-    """selective: an integer N checkpoints every N-th block; 'op' saves selected op outputs (not in aot_fx_trace)."""
+    """selective: an integer N checkpoints every N-th block; 'op' saves matmul/attention outputs, recomputes the rest."""
+    memory_budget: str = ""
+    """memory_budget mode: per-GPU memory for parameters, gradients, optimizer state and saved activations, in GiB
+    (20GiB) or as a fraction of device memory (0.5); empty: 0.5."""
 
 
 @dataclass
@@ -151,6 +168,13 @@ class Checkpoint:
     """Resume from this step (-1: the latest complete checkpoint)."""
     fallback_to_previous: bool = False
     """If the latest checkpoint is corrupt, resume from the newest good one instead of stopping."""
+    initial_load_path: str = ""
+    """Start from these weights when there is no checkpoint to resume from: a Hugging Face folder (with
+    --checkpoint.initial_load_in_hf) or one of our DCP step folders (its model weights only)."""
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face safetensors checkpoint (one file, or sharded with an index)."""
+    last_save_in_hf: bool = False
+    """At the end of the run also write the model as a Hugging Face checkpoint: <folder>/step-N-hf/."""
 
 
 @dataclass
@@ -159,6 +183,10 @@ class Metrics:
     """Log every this many steps."""
     progress_bar: bool = True
     """Show a progress bar on rank 0 when stderr is a terminal."""
+    enable_tensorboard: bool = False
+    """Also write each logged step's figures as TensorBoard scalars under <dump_folder>/tb/."""
+    enable_wandb: bool = False
+    """Also log each step's figures to Weights & Biases (needs the wandb package; WANDB_* variables configure it)."""
 
 
 @dataclass
@@ -175,6 +203,13 @@ class Profiling:
 class Comm:
     timeout_seconds: int = 300
     """Collective timeout: a dead rank makes the others fail after this many seconds."""
+    mode: Literal["real", "fake"] = "real"
+    """real: one process per rank (torchrun). fake: ONE process runs rank fake_rank of a fake_world_size-rank job on
+    torch's fake process group: real per-rank shapes and compute, collectives move no data (losses are not meaningful)."""
+    fake_world_size: int = 1
+    """With --comm.mode fake: the number of ranks simulated."""
+    fake_rank: int = 0
+    """With --comm.mode fake: which rank of fake_world_size this process is."""
 
 
 @dataclass

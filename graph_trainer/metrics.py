@@ -50,8 +50,13 @@ def peak_memory_gib(device: torch.device) -> float:
 
 class MetricsLogger:
     def __init__(self, dump_folder: str, is_rank0: bool, total_steps: int, flops_per_token: int,
-                 device: torch.device, world_size: int, progress_bar: bool, first_step: int = 1):
+                 device: torch.device, world_size: int, progress_bar: bool, first_step: int = 1,
+                 ranks_per_batch_shard: int = 1):
+        """`ranks_per_batch_shard`: the ranks that work on the same tokens (the product of the mesh
+        degrees that do not split the batch, i.e. tp): throughput and MFU are per GPU, as torchtitan
+        reports them, so a rank's tokens are shared among them."""
         self.is_rank0 = is_rank0
+        self.ranks_per_batch_shard = ranks_per_batch_shard
         self.flops_per_token = flops_per_token
         self.device = device
         self.world_size = world_size
@@ -77,7 +82,7 @@ class MetricsLogger:
         now = time.perf_counter()
         step_time = now - self.last_time
         self.last_time = now
-        tps = tokens / step_time
+        tps = tokens / self.ranks_per_batch_shard / step_time
         mfu = 100.0 * tps * self.flops_per_token / self.peak if self.peak else None
         record = {
             "step": step,
@@ -94,8 +99,10 @@ class MetricsLogger:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             mfu_text = f"  mfu: {mfu:.2f}%" if mfu is not None else ""
+            # A fake run's collectives move no data: its losses say nothing about the model.
+            fake = " (fake comm: loss not meaningful)" if record.get("comm_mode") == "fake" else ""
             line = (
-                f"step: {step:4d}  loss: {loss:8.5f}  grad_norm: {grad_norm:8.4f}  lr: {lr:.2e}  "
+                f"step: {step:4d}  loss: {loss:8.5f}{fake}  grad_norm: {grad_norm:8.4f}  lr: {lr:.2e}  "
                 f"memory: {record['peak_memory_gib']:.2f}GiB  tps: {tps:,.0f}{mfu_text}"
             )
             if self.bar is not None:

@@ -22,17 +22,44 @@ class ModelSpec:
     flavors: dict[str, Any]
     model_cls: type[nn.Module]
     is_moe: bool
+    hf_adapter: Callable[..., Any] | None = None
+    """torchtitan's state-dict adapter to and from Hugging Face names (hf_checkpoint.py)."""
 
-    def args_for(self, flavor: str, seq_len: int, n_layers: int = 0) -> Any:
+    def args_for(self, flavor: str, seq_len: int, n_layers: int = 0, attention: str = "flavor", vocab_size: int = 0) -> Any:
         args = copy.deepcopy(self.flavors[flavor])
         args.max_seq_len = seq_len
         if n_layers:
             args.n_layers = n_layers
+        if vocab_size:
+            args.vocab_size = vocab_size
+        if attention == "sdpa" and hasattr(args, "attn_type"):
+            args.attn_type, args.attn_mask_type = "sdpa", "causal"
         return args
+
+    def job_args(self, cfg: Any, tokenizer: Any = None) -> Any:
+        """The model args a job config asks for (flavor, sequence length, layers, attention, vocabulary).
+
+        A job that trains on text with `--model.tokenizer_path` gets that tokenizer's vocabulary size
+        (`tokenizer` when the caller has loaded it), rounded up to a multiple of the tp degree: TP splits
+        the embedding and output over the vocabulary, and uneven splits break its collectives (the extra
+        rows are ids no token has, as in Megatron's vocabulary padding). The shipped tokenizer's 2048 ids
+        fit every flavor, which keeps its own vocabulary then, as it does on random tokens (the
+        benchmarks share it with torchtitan)."""
+        m = cfg.model
+        vocab_size = 0
+        if m.tokenizer_path and not cfg.training.random_tokens:
+            if tokenizer is None:
+                from .data.tokenizer import build_tokenizer
+
+                tokenizer = build_tokenizer(m.tokenizer_path)
+            tp = max(cfg.parallelism.tp, 1)
+            vocab_size = -(-tokenizer.get_vocab_size() // tp) * tp
+        return self.args_for(m.flavor, cfg.training.seq_len, m.n_layers, m.attention, vocab_size)
 
 
 def _llama3() -> ModelSpec:
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs, llama3_args
+    from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
     flavors = dict(llama3_args)
     # Single-GPU benchmark size (1.43B with the 128K vocabulary): the baseline figures use it.
@@ -40,25 +67,37 @@ def _llama3() -> ModelSpec:
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
         ffn_dim_multiplier=1.3, multiple_of=1024, rope_theta=500000,
     )
-    return ModelSpec("llama3", flavors, Transformer, is_moe=False)
+    flavors["1B_flex_attn"] = dataclasses.replace(flavors["1B"], attn_type="flex", attn_mask_type="block_causal")
+    return ModelSpec("llama3", flavors, Transformer, is_moe=False, hf_adapter=Llama3StateDictAdapter)
 
 
 def _deepseek_v3() -> ModelSpec:
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_args
+    from torchtitan.models.deepseek_v3.model.state_dict_adapter import DeepSeekV3StateDictAdapter
 
     flavors = {}
     for name, args in deepseekv3_args.items():
         args = copy.deepcopy(args)
         args.moe_impl = "standard"
-        if name in ("16B", "236B", "671B"):
-            # torchtitan gives these FlexAttention with document masks, which need a BlockMask per
-            # batch; our step feeds packed sequences under one causal mask, which SDPA does.
-            args.attn_type, args.attn_mask_type = "sdpa", "causal"
         flavors[name] = args
-    return ModelSpec("deepseek_v3", flavors, DeepSeekV3Model, is_moe=True)
+    return ModelSpec("deepseek_v3", flavors, DeepSeekV3Model, is_moe=True, hf_adapter=DeepSeekV3StateDictAdapter)
 
 
-_BUILDERS: dict[str, Callable[[], ModelSpec]] = {"llama3": _llama3, "deepseek_v3": _deepseek_v3}
+def _qwen3() -> ModelSpec:
+    """Dense flavors (debugmodel, 0.6B to 32B) and MoE ones (debugmodel_moe, 30B-A3B, 235B-A22B) in one
+    family: blocks of a dense flavor have no `moe`, so the MoE placement finds nothing to do there."""
+    from torchtitan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter, qwen3_args
+
+    flavors = {}
+    for name, args in qwen3_args.items():
+        # SimpleFSDP gives every parameter its own sharded storage, so a tied output projection would
+        # silently become a second, uninitialised tensor: tied flavors train with separate weights,
+        # both initialised as torchtitan does (HF checkpoints without lm_head load it from the embedding).
+        flavors[name] = dataclasses.replace(args, enable_weight_tying=False)
+    return ModelSpec("qwen3", flavors, Qwen3Model, is_moe=True, hf_adapter=Qwen3StateDictAdapter)
+
+
+_BUILDERS: dict[str, Callable[[], ModelSpec]] = {"llama3": _llama3, "deepseek_v3": _deepseek_v3, "qwen3": _qwen3}
 _CACHE: dict[str, ModelSpec] = {}
 
 
@@ -80,7 +119,25 @@ def build_on_meta(spec: ModelSpec, args: Any, device_type: str) -> nn.Module:
         return spec.model_cls(args)
 
 
-def install_attention_masks(model: nn.Module, eos_id: int) -> None:
+def document_mask_mod(tokens: torch.Tensor, eos_id: int) -> Callable[..., torch.Tensor]:
+    """Attention stays inside a document; a document ends with (and includes) its EOS token.
+
+    The same mask as torchtitan's `get_document_mask_mod`, but its document index is computed as
+    `cumsum(eos) - eos` instead of a shifted copy (`index[:, 1:] = cumsum[:, :-1]`): the shift
+    becomes a masked load that Inductor's FlexAttention template cannot generate inside the mask
+    function ("'function' object has no attribute 'graph'") when the mask is built in the same
+    compiled graph as the attention.
+    """
+    eos = (tokens == eos_id).to(torch.int32)
+    document = torch.cumsum(eos, dim=1, dtype=torch.int32) - eos
+
+    def same_document(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return document[b, q_idx] == document[b, kv_idx]
+
+    return same_document
+
+
+def install_attention_masks(model: nn.Module, separator_id: int | None) -> None:
     """Let a FlexAttention model (`attn_type = "flex"`) build its BlockMask from the tokens it is
     called with, inside its own call.
 
@@ -89,17 +146,19 @@ def install_attention_masks(model: nn.Module, eos_id: int) -> None:
     a traced train step, whose graph then computes the mask from each batch's tokens rather than
     baking in the mask of the batch it was traced on (`block_causal` masks depend on where the
     documents end). The mask is built uncompiled because make_fx cannot trace into torch.compile.
+    Documents end at `separator_id` (the data's `document_separator`); when the tokenizer has no
+    separator, documents are not marked in the stream and the mask is causal over the whole sequence.
     """
     args = model.model_args
     if getattr(args, "attn_type", "sdpa") != "flex":
         return
     from torch.nn.attention.flex_attention import and_masks, create_block_mask
-    from torchtitan.models.attention import get_causal_mask_mod, get_document_mask_mod
+    from torchtitan.models.attention import get_causal_mask_mod
 
     def block_mask(tokens: torch.Tensor):
         mask_mods, batch = [get_causal_mask_mod()], 1
-        if args.attn_mask_type == "block_causal":
-            mask_mods.append(get_document_mask_mod(tokens, eos_id))
+        if args.attn_mask_type == "block_causal" and separator_id is not None:
+            mask_mods.append(document_mask_mod(tokens, separator_id))
             batch = tokens.shape[0]
         seq = tokens.shape[1]
         return create_block_mask(and_masks(*mask_mods), batch, None, seq, seq, device=tokens.device)

@@ -1,4 +1,5 @@
-"""`graph-trainer plan`: solve the placement of a model on a mesh without GPUs, print it, save plan.json.
+"""`graph-trainer plan`: solve the placement of a model on a mesh without GPUs, print it, save plan.json;
+with `--against meta` also solve it with Meta's AutoParallel and compare (autoparallel/plan_compare.py).
 
 The mesh is simulated by a fake process group of the mesh's size in this one process (no memory,
 no communication); the model lives on the meta device and is traced on fake tensors. Costs are
@@ -19,7 +20,8 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     if p.dp_shard == -1:
         raise ConfigError("graph-trainer plan needs the mesh spelled out: pass --parallelism.dp_shard N (and tp, dp_replicate)")
     if cfg.compile.autoparallel_impl != "builtin":
-        raise ConfigError("graph-trainer plan shows the built-in solver's plan; drop --compile.autoparallel_impl meta")
+        raise ConfigError("graph-trainer plan shows the built-in solver's plan; drop --compile.autoparallel_impl meta "
+                          "(to set Meta's plan beside it: --against meta)")
     cfg.compile.autoparallel = True
     cfg.compile.autoparallel_plan = ""
     from .validate import validate
@@ -33,22 +35,47 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     from .autoparallel import compat
     from .autoparallel.entry import mesh_info, param_dtype_for, solve
     from .autoparallel.moe import prepare_model
+    from .parallel.compat import init_fake_process_group
 
     info = mesh_info(degrees)
-    compat.init_fake_process_group(math.prod(info.shape))
+    init_fake_process_group(math.prod(info.shape))
     compat.register_cpu_attention_strategies()
     solver_mesh = init_device_mesh("cpu", info.sizes, mesh_dim_names=info.solver_names) if info.sizes else None
     spec = models.get_spec(cfg.model.name)
-    args = spec.args_for(cfg.model.flavor, cfg.training.seq_len, cfg.model.n_layers)
+    args = spec.job_args(cfg)
     model = models.build_on_meta(spec, args, "cpu")
     prepare_model(model)
     return solve(cfg, model, args, info, solver_mesh, torch.device("cpu"), param_dtype_for(cfg, "cuda"))
 
 
+def _against(argv: list[str]) -> tuple[str | None, list[str]]:
+    """`--against meta` (or `--against=meta`) out of the argument list: the solver to compare with."""
+    rest, against, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--against" or a.startswith("--against="):
+            against = a.partition("=")[2] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in a else 2
+            if against != "meta":
+                raise ConfigError(f"--against {against!r}: the only solver to compare with is meta (Meta's AutoParallel): --against meta")
+            continue
+        rest.append(a)
+        i += 1
+    return against, rest
+
+
 def cmd_plan(argv: list[str]) -> int:
     from .autoparallel import report
 
+    against, argv = _against(argv)
     cfg = parse_args(argv)
+    if against:
+        from .autoparallel import plan_compare
+
+        result = plan_compare.compare(cfg)
+        print(plan_compare.render(result))
+        print(f"comparison written to {plan_compare.write(result, cfg.job.dump_folder)}")
+        return 0
     plan = make_plan(cfg)
     print(f"graph-trainer plan: {cfg.model.name} {cfg.model.flavor} on {math.prod(plan['mesh']['shape'])} ranks")
     print(report.render(plan))

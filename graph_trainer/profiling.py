@@ -7,7 +7,10 @@ run under `torch.profiler`; rank 0 writes `<dump_folder>/profile/trace.json` (Ch
 - `busy_ms`: time per step some kernel ran (on the GPU: the union of kernel intervals);
 - `comm_ms` / `exposed_comm_ms`: time per step a collective ran, and the part of it no compute kernel
   overlapped; `exposed_comm_share` is the latter over the step time;
-- `top_kernels`: the kernels (GPU) or operators (CPU) that took the most time, with their share.
+- `kernel_ms`: the summed time of all kernels per step;
+- `top_kernels`: the kernels (GPU) or operators (CPU) that took the most time, with their share of
+  `kernel_ms` (the profiler slows the host side of a step, not the kernels, so shares of kernel time
+  hold for unprofiled steps; shares of the profiled wall time would not).
 On the CPU the "kernels" are ATen operators (self time) and collectives are gloo's `c10d::` ops, which
 run on their own threads, so overlap there is only indicative. Profiled steps are slower than the
 others: their metrics records carry `"profiled": true` so throughput figures can leave them out.
@@ -84,6 +87,7 @@ def summarize_events(events: list[Any], steps: int, wall_s: float, device_type: 
     busy_ms = union_length(comm + compute) / 1e3 / steps
     exposed_ms = uncovered_length(comm, compute) / 1e3 / steps
     top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    kernel_us = sum(us for _, us in totals.values())
     return {
         "device": device_type,
         "steps": steps,
@@ -92,8 +96,9 @@ def summarize_events(events: list[Any], steps: int, wall_s: float, device_type: 
         "comm_ms": union_length(comm) / 1e3 / steps,
         "exposed_comm_ms": exposed_ms,
         "exposed_comm_share": exposed_ms / step_ms if step_ms else 0.0,
+        "kernel_ms": kernel_us / 1e3 / steps,
         "top_kernels": [
-            {"name": name, "count": count // steps, "ms_per_step": us / 1e3 / steps, "share_of_step": us / 1e3 / steps / step_ms}
+            {"name": name, "count": count // steps, "ms_per_step": us / 1e3 / steps, "share_of_kernel_time": us / kernel_us}
             for name, (count, us) in top
         ],
     }

@@ -10,6 +10,7 @@ manager, so eager and the other backends are unaffected.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -36,6 +37,11 @@ def _annotated(forward: Callable[..., Any], tag: dict[str, Any]) -> Callable[...
     return wrapper
 
 
+def annotate_module(module: nn.Module, tag: dict[str, Any]) -> None:
+    """Every op `module`'s forward traces carries `tag` in `node.meta["custom"]` (set on the instance)."""
+    module.forward = _annotated(module.forward, tag)
+
+
 def annotate_regions(model: nn.Module, modules: tuple[str, ...] = ("attention",)) -> nn.Module:
     """Mark the named submodule (`attention`, `feed_forward`) of every transformer block that has one
     (DeepSeek V3's MoE blocks have no `feed_forward`).
@@ -50,7 +56,7 @@ def annotate_regions(model: nn.Module, modules: tuple[str, ...] = ("attention",)
         for name in modules:
             sub = getattr(block, name, None)
             if sub is not None:
-                sub.forward = _annotated(sub.forward, region_tag(name))
+                annotate_module(sub, region_tag(name))
                 marked += 1
     assert marked, f"no transformer block of {type(model).__name__} has a submodule named {' or '.join(modules)}"
     return model
@@ -123,4 +129,31 @@ def copy_marks_to_backward(gm: fx.GraphModule) -> None:
         source = first.get(node.meta.get("seq_nr"))
         custom = source.meta.get("custom") if source is not None else None
         if custom:
-            node.meta["custom"] = {**node.meta.get("custom", {}), **custom}
+            _add_marks(node, custom)
+        elif isinstance(node.target, torch._ops.HigherOrderOperator):
+            _mark_hop_backward(node, forward)
+        elif node.target is operator.getitem and _marks(node.args[0]):
+            _add_marks(node, _marks(node.args[0]))
+
+
+def _marks(node: fx.Node) -> dict[str, Any]:
+    custom = node.meta.get("custom") or {}
+    return {REGION_KEY: custom[REGION_KEY]} if REGION_KEY in custom else {}
+
+
+def _add_marks(node: fx.Node, custom: dict[str, Any]) -> None:
+    node.meta["custom"] = {**(node.meta.get("custom") or {}), **custom}
+
+
+def _mark_hop_backward(node: fx.Node, forward: set[fx.Node]) -> None:
+    """A higher-order op's backward (FlexAttention's) carries the `seq_nr` of its autograd Function,
+    not of the forward op, so the lookup by `seq_nr` misses it and it would run unfused, outside the
+    region, materialising the scores. It takes the region of the forward ops it reads (q, k, v, the
+    forward's output and logsumexp), and so do the subgraphs (get_attr) it calls."""
+    marks = [_marks(n) for n in node.all_input_nodes if n in forward and _marks(n)]
+    if not marks or any(m != marks[0] for m in marks):
+        return
+    _add_marks(node, marks[0])
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr" and not _marks(arg):
+            _add_marks(arg, marks[0])

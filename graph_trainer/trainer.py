@@ -6,7 +6,8 @@ on them. Rank 0 writes `metrics.jsonl`, `config.toml` and `placements.json` into
 How a run ends: 0 when it finishes, or when SIGINT/SIGTERM stopped it after the current step (with
 `--checkpoint.enable` a checkpoint of that step is saved first; a second signal stops at once).
 Failures the user can act on print one line on stderr, no traceback, and exit with
-2 (a checkpoint that cannot be loaded), 3 (a non-finite loss or gradient norm: nothing is saved
+2 (a checkpoint that cannot be loaded; with `--comm.mode fake`, a simulated rank that does not fit on
+the GPU), 3 (a non-finite loss or gradient norm: nothing is saved
 for that step, the last good checkpoint stays the latest) or 4 (a collective failed: a peer rank
 died, or did not answer within `--comm.timeout_seconds`).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -28,14 +30,19 @@ import torch
 import torch.distributed as dist
 
 from . import models
-from .capture import CaptureContext, build_step
+from .capture import CaptureContext, build_step, own_grad_norm
 from .checkpoint import Checkpointer, CheckpointError, any_rank, state_shapes
 from .config import JobConfig, to_toml
 from .data.random_tokens import random_batch
-from .data import TokenLoader, build_tokenizer, read_documents
+from .losses import build_loss, cross_entropy  # noqa: F401  (cross_entropy: the default loss, imported from here by others)
+from .data import TokenLoader, build_tokenizer, document_separator, read_documents
+from .hf_checkpoint import load_initial, save_hf
 from .metrics import MetricsLogger, reset_peak_memory
+from .metrics_writers import MetricWriters
 from .profiling import StepProfiler
+from .prediction import write_prediction
 from .parallel import apply_activation_checkpointing
+from .parallel.compat import init_fake_process_group
 from .parallel.materialize import materialize
 from .parallel.mesh import Meshes, build_meshes, device_type, resolve_degrees
 from .parallel.simple_fsdp import MixedPrecision
@@ -45,7 +52,6 @@ from .passes.registry import run_teardowns
 
 logger = logging.getLogger("graph_trainer")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class NonFiniteError(RuntimeError):
@@ -53,6 +59,7 @@ class NonFiniteError(RuntimeError):
 
 
 _EXIT_CHECKPOINT, _EXIT_NON_FINITE, _EXIT_COMM = 2, 3, 4
+_EXIT_DOES_NOT_FIT = 2
 
 
 class StopSignals:
@@ -105,21 +112,24 @@ class DistEnv:
     def from_environ() -> "DistEnv":
         return DistEnv(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
 
+    @staticmethod
+    def simulated(cfg: JobConfig) -> "DistEnv":
+        """This process's place in the job: from torchrun's environment, or the rank a fake run simulates."""
+        if cfg.comm.mode == "fake":
+            return DistEnv(cfg.comm.fake_rank, 0, cfg.comm.fake_world_size)
+        return DistEnv.from_environ()
 
-def init_distributed(env: DistEnv, device: torch.device, timeout_s: int) -> None:
+
+def init_distributed(env: DistEnv, device: torch.device, timeout_s: int, fake: bool = False) -> None:
+    if fake:
+        init_fake_process_group(env.world_size, env.rank)
+        return
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
-
-
-def mixed_precision(cfg: JobConfig, device: torch.device) -> MixedPrecision:
-    name = cfg.training.mixed_precision_param
-    if name == "auto":
-        name = "bfloat16" if device.type == "cuda" else "float32"
-    return MixedPrecision(_DTYPES[name], _DTYPES[cfg.training.mixed_precision_reduce])
 
 
 def set_determinism(cfg: JobConfig, device: torch.device) -> None:
@@ -135,7 +145,7 @@ def set_determinism(cfg: JobConfig, device: torch.device) -> None:
         torch.use_deterministic_algorithms(True, warn_only=device.type == "cpu")
 
 
-def build_optimizer(model: torch.nn.Module, spec: models.ModelSpec, cfg: JobConfig, device: torch.device, meshes: Meshes, steps: int):
+def build_optimizer(model: torch.nn.Module, cfg: JobConfig, device: torch.device, steps: int):
     from torchtitan.components.lr_scheduler import build_lr_schedulers
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.config import LRScheduler as TitanLR
@@ -145,28 +155,22 @@ def build_optimizer(model: torch.nn.Module, spec: models.ModelSpec, cfg: JobConf
     implementation = "fused" if device.type == "cuda" else "foreach"
     opt_cfg = TitanOpt(name=o.name, lr=o.lr, eps=o.eps, weight_decay=o.weight_decay, implementation=implementation)
     optimizers = build_optimizers([model], opt_cfg, None)
-    if spec.is_moe:
-        from .parallel.expert_parallel import install_load_balancing
-
-        install_load_balancing(optimizers, model, meshes)
     decay_ratio = s.decay_ratio if s.decay_ratio >= 0 else None
     lr_cfg = TitanLR(warmup_steps=s.warmup_steps, decay_ratio=decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
     return optimizers, build_lr_schedulers(optimizers, lr_cfg, steps)
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-
-
 class GraphTrainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
-        self.env = DistEnv.from_environ()
+        self.fake = cfg.comm.mode == "fake"
+        self.env = DistEnv.simulated(cfg)
         self.device = torch.device(f"cuda:{self.env.local_rank}") if device_type() == "cuda" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.is_rank0 = self.env.rank == 0
-        init_distributed(self.env, self.device, cfg.comm.timeout_seconds)
+        # A fake run's one process writes the run's files whichever rank it simulates.
+        self.is_rank0 = self.env.rank == 0 or self.fake
+        init_distributed(self.env, self.device, cfg.comm.timeout_seconds, self.fake)
         set_determinism(cfg, self.device)
         t = cfg.training
         p = cfg.parallelism
@@ -181,20 +185,25 @@ class GraphTrainer:
             self.loader = TokenLoader(documents, self.tokenizer, t.seq_len, self.local_batch, self.meshes.dp_rank(), self.degrees.dp)
 
         spec = models.get_spec(cfg.model.name)
-        args = spec.args_for(cfg.model.flavor, t.seq_len, cfg.model.n_layers)
+        args = spec.job_args(cfg, self.tokenizer)
         reference = models.build_on_meta(spec, args, self.device.type)
-        mp = mixed_precision(cfg, self.device)
+        mp = MixedPrecision.from_config(cfg.training, self.device.type)
         placement_start = time.perf_counter()
         self.model = place_model(models.build_on_meta(spec, args, self.device.type), spec, args, self.meshes, mp, cfg)
         placement_s = time.perf_counter() - placement_start
         if t.deterministic and self.device.type == "cuda":
             models.drop_cudnn_attention(self.model)
         annotate_regions(self.model)
-        models.install_attention_masks(self.model, self.tokenizer.eos_id)
+        models.install_attention_masks(self.model, document_separator(self.tokenizer))
         materialize(self.model, reference, self.device, t.seed)
-        apply_activation_checkpointing(self.model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+        apply_activation_checkpointing(self.model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option, cfg.compile.mode)
         self.nparams, self.flops_per_token = models.nparams_and_flops_per_token(args, reference, t.seq_len)
-        self.optimizers, self.lr_schedulers = build_optimizer(self.model, spec, cfg, self.device, self.meshes, t.steps)
+        self.optimizers, self.lr_schedulers = build_optimizer(self.model, cfg, self.device, t.steps)
+        self.load_balancing = None
+        if spec.is_moe:
+            from .parallel.expert_parallel import install_load_balancing
+
+            self.load_balancing = install_load_balancing(self.optimizers, self.model, self.meshes)
 
         self.step = 0
         from torchtitan.components.checkpoint import ModelWrapper
@@ -203,10 +212,12 @@ class GraphTrainer:
         describe = {"model": f"{cfg.model.name} {cfg.model.flavor} n_layers={args.n_layers}", "params": state_shapes(reference.state_dict()),
                     "seq_len": t.seq_len, "random_tokens": t.random_tokens, "mesh": str(self.degrees), "mode": cfg.compile.mode}
         self.checkpointer = Checkpointer(cfg, state, describe, self.device)
-        self.checkpointer.load()
+        if self.checkpointer.load() is None and cfg.checkpoint.initial_load_path:
+            load_initial(self.model, spec, args, Path(cfg.checkpoint.initial_load_path), cfg.checkpoint.initial_load_in_hf)
 
-        self.capture = CaptureContext(cfg, self.meshes, self.model, cross_entropy, 1.0 / t.gradient_accumulation_steps, self.device,
-                                      stats={"placement_s": placement_s})
+        loss_fn = build_loss(t.loss, self.model, t.loss_chunk_tokens)
+        self.capture = CaptureContext(cfg, self.meshes, self.model, loss_fn, 1.0 / t.gradient_accumulation_steps, self.device,
+                                      stats={"placement_s": placement_s}, optimizers=self.optimizers)
         self.step_fn = build_step(cfg.compile.mode, self.capture)
         if self.is_rank0:
             Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
@@ -216,6 +227,9 @@ class GraphTrainer:
                 f"{cfg.model.name} {cfg.model.flavor}: {self.nparams:,} parameters, mesh {self.degrees}, "
                 f"mode {cfg.compile.mode}, backend {cfg.compile.inductor_compilation}, device {self.device}"
             )
+            if self.fake:
+                logger.info(f"fake communication: rank {self.env.rank} of {self.env.world_size} on one device; shapes, memory and "
+                            "compute are that rank's, collectives move no data, so losses and grad norms are not meaningful")
 
     def state_dict(self) -> dict:
         """What a checkpoint holds besides model, optimizer and LR schedule: step, data position, RNG."""
@@ -244,21 +258,31 @@ class GraphTrainer:
             inputs, labels = self.loader.next_batch()
         return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
-    def train_step(self) -> tuple[float, float]:
-        """One optimizer step: microbatches through the captured step, clip, update."""
+    def train_step(self) -> tuple[float, float, dict]:
+        """One optimizer step: microbatches through the captured step, clip, update. Returns the
+        global loss, the gradient norm and, for MoE models, `dropped_tokens`."""
         self.optimizers.zero_grad()
         loss = torch.zeros((), device=self.device)
         for micro in range(self.cfg.training.gradient_accumulation_steps):
             inputs, labels = self.next_batch(micro)
             loss += self.step_fn(inputs, labels)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        from torchtitan.distributed.utils import clip_grad_norm_
+        grad_norm = own_grad_norm(self.step_fn)
+        if grad_norm is None:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            from torchtitan.distributed.utils import clip_grad_norm_
 
-        max_norm = self.cfg.training.max_norm or math.inf
-        grad_norm = clip_grad_norm_(params, max_norm, foreach=True, ep_enabled=self.degrees.ep > 1)
+            max_norm = self.cfg.training.max_norm or math.inf
+            grad_norm = clip_grad_norm_(params, max_norm, foreach=True, ep_enabled=self.degrees.ep > 1)
+        # After a step that updated the parameters itself no gradient is left: AdamW skips every
+        # parameter and only the optimizer's step hooks run (MoE load balancing).
         self.optimizers.step()
         self.lr_schedulers.step()
-        return self._mean_over_dp(loss).item(), grad_norm.item()
+        values = [self._mean_over_dp(loss), grad_norm]
+        if self.load_balancing is not None:
+            values.append(self.load_balancing.dropped)
+        # One host sync per step reads all of them.
+        loss, grad_norm, *dropped = torch.stack([v.double() for v in values]).tolist()
+        return loss, grad_norm, {"dropped_tokens": int(dropped[0])} if dropped else {}
 
     def _mean_over_dp(self, loss: torch.Tensor) -> torch.Tensor:
         """The global batch's loss: every data-parallel rank holds the mean over its own share."""
@@ -271,9 +295,11 @@ class GraphTrainer:
         t = self.cfg.training
         tokens_per_step = self.local_batch * t.seq_len * t.gradient_accumulation_steps
         metrics = MetricsLogger(self.cfg.job.dump_folder, self.is_rank0, t.steps, self.flops_per_token,
-                                self.device, self.env.world_size, self.cfg.metrics.progress_bar, first_step=self.step + 1)
+                                self.device, self.env.world_size, self.cfg.metrics.progress_bar, first_step=self.step + 1,
+                                ranks_per_batch_shard=self.degrees.world_size // self.degrees.dp)
         p = self.cfg.profiling
         profiler = StepProfiler(self.cfg.job.dump_folder, p.start_step, p.steps, self.device, self.is_rank0, p.enable)
+        writers = MetricWriters(self.cfg, self.is_rank0)
         records = []
         start = time.perf_counter()
         first = True
@@ -283,20 +309,23 @@ class GraphTrainer:
                 inject_test_faults(self.env.rank, self.step, self.model)
                 reset_peak_memory(self.device)
                 profiler.before_step(self.step)
-                loss, grad_norm = self.train_step()
+                loss, grad_norm, step_counts = self.train_step()
                 profiler.after_step(self.step)
-                if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                if not self.fake and not (math.isfinite(loss) and math.isfinite(grad_norm)):
                     raise NonFiniteError(f"step {self.step}: loss {loss} / grad norm {grad_norm} is not finite; lower --optimizer.lr or check the data")
-                extra = {"retraces": self.capture.stats.get("retraces", 0)}
+                extra = {"retraces": self.capture.stats.get("retraces", 0), "comm_mode": self.cfg.comm.mode, **step_counts}
                 if profiler.covers(self.step):
                     extra["profiled"] = True
                 if first:
                     extra["time_to_first_step_s"] = time.perf_counter() - start
-                    extra.update({k: v for k, v in self.capture.stats.items() if k.endswith("_s")})
+                    extra.update({k: v for k, v in self.capture.stats.items() if k.endswith("_s") or k.startswith("ac_")})
+                    if self.is_rank0:
+                        write_prediction(self.cfg.job.dump_folder, self.degrees.world_size)
                     first = False
                 if self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps:
                     lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
                     records.append(metrics.log(self.step, loss, grad_norm, lr, tokens_per_step, extra))
+                    writers.write(records[-1])
                 stop = any_rank(signals.received is not None, self.device)
                 if self.checkpointer.due(self.step, stop):
                     self.checkpointer.save(self.step)
@@ -306,6 +335,10 @@ class GraphTrainer:
                         logger.warning(f"stopped after step {self.step} on a stop signal ({signals.received or 'sent to another rank'})")
                     break
         metrics.close()
+        writers.close()
+        if self.cfg.checkpoint.last_save_in_hf:
+            spec = models.get_spec(self.cfg.model.name)
+            save_hf(self.model, spec, self.model.model_args, self.cfg.model.flavor, self.checkpointer.root / f"step-{self.step}-hf")
         return records
 
 
@@ -321,6 +354,23 @@ def _fail(message: str, code: int) -> NoReturn:
     raise SystemExit(code)
 
 
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def does_not_fit(cfg: JobConfig, oom_message: str) -> str:
+    """The one line for a simulated rank that ran out of GPU memory: what it needed (the allocator's
+    reserved bytes plus the allocation that failed, as the OOM message states it) and what the device has."""
+    asked = re.search(r"Tried to allocate ([0-9.]+) ([KMGT]?i?B)", oom_message)
+    requested = float(asked.group(1)) * _UNITS[asked.group(2)] if asked else 0.0
+    device = torch.cuda.current_device()
+    needed = torch.cuda.memory_reserved(device) + requested
+    total = torch.cuda.get_device_properties(device).total_memory
+    c = cfg.comm
+    return (f"rank {c.fake_rank} of {c.fake_world_size} does not fit on one GPU: it needed at least {needed / 2**30:.1f} GiB, "
+            f"the device has {total / 2**30:.1f} GiB; shard more (larger --comm.fake_world_size and degrees), use "
+            "--activation_checkpoint.mode full or a smaller --training.batch_size / --training.seq_len")
+
+
 def run(cfg: JobConfig) -> list[dict]:
     """Train; a failure the user can act on ends the process with one line and an exit code (see above)."""
     trainer = None
@@ -331,6 +381,10 @@ def run(cfg: JobConfig) -> list[dict]:
         _fail(str(e), _EXIT_CHECKPOINT)
     except NonFiniteError as e:
         _fail(str(e), _EXIT_NON_FINITE)
+    except torch.cuda.OutOfMemoryError as e:
+        if cfg.comm.mode != "fake":
+            raise
+        _fail(does_not_fit(cfg, str(e)), _EXIT_DOES_NOT_FIT)
     except RuntimeError as e:
         if not _is_comm_failure(e):
             raise

@@ -18,6 +18,25 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def check_comm(cfg: JobConfig) -> None:
+    """`--comm.mode fake` runs one rank of a job of `fake_world_size` ranks in this one process."""
+    c = cfg.comm
+    if c.mode != "fake":
+        if (c.fake_world_size, c.fake_rank) != (1, 0):
+            raise ConfigError("comm.fake_world_size and comm.fake_rank simulate a job in one process: add --comm.mode fake")
+        return
+    if c.fake_world_size < 1:
+        raise ConfigError(f"comm.fake_world_size must be >= 1 (the number of ranks simulated), got {c.fake_world_size}")
+    if not 0 <= c.fake_rank < c.fake_world_size:
+        raise ConfigError(f"comm.fake_rank={c.fake_rank} is not a rank of {c.fake_world_size}; pick --comm.fake_rank in 0..{c.fake_world_size - 1}")
+    if world_size_from_env() > 1:
+        raise ConfigError(f"--comm.mode fake simulates all {c.fake_world_size} ranks in one process: run it without torchrun "
+                          f"(WORLD_SIZE={world_size_from_env()} is set), or drop --comm.mode fake")
+    if cfg.checkpoint.enable:
+        raise ConfigError("--comm.mode fake cannot checkpoint (its collectives move no data, so its weights are not the job's): "
+                          "drop --checkpoint.enable")
+
+
 def check_mesh(cfg: JobConfig, world_size: int) -> tuple[int, int, int, int]:
     p = cfg.parallelism
     for name in ("dp_replicate", "tp", "ep"):
@@ -60,8 +79,8 @@ def check_model(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
         if count % tp:
             raise ConfigError(f"parallelism.tp={tp} does not divide {name} {flavor}'s {field}={count}; pick a tp that divides it")
     if ep > 1:
-        if not spec.is_moe:
-            raise ConfigError(f"parallelism.ep={ep} needs an MoE model; {name} has no experts (set --parallelism.ep 1)")
+        if not spec.is_moe or not getattr(args, "moe_enabled", True):
+            raise ConfigError(f"parallelism.ep={ep} needs an MoE model; {name} {flavor} has no experts (set --parallelism.ep 1)")
         experts = args.moe_args.num_experts
         if experts % ep:
             raise ConfigError(f"parallelism.ep={ep} does not divide {name} {flavor}'s {experts} experts; pick an ep that divides it")
@@ -83,10 +102,17 @@ def check_training(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
         )
     if t.dataset_path and not Path(t.dataset_path).exists():
         raise ConfigError(f"training.dataset_path {t.dataset_path} does not exist; pass an existing .txt/.jsonl/.parquet file or folder")
-    if cfg.model.tokenizer_path and not Path(cfg.model.tokenizer_path).exists():
-        raise ConfigError(f"model.tokenizer_path {cfg.model.tokenizer_path} does not exist; pass a tokenizer.json or its folder")
+    if cfg.model.tokenizer_path:
+        from .data.tokenizer import TokenizerError, build_tokenizer
+
+        try:
+            build_tokenizer(cfg.model.tokenizer_path)
+        except TokenizerError as e:
+            raise ConfigError(str(e)) from None
     if t.max_norm < 0:
         raise ConfigError(f"training.max_norm must be >= 0, got {t.max_norm}")
+    if t.loss_chunk_tokens < 1:
+        raise ConfigError(f"training.loss_chunk_tokens must be >= 1, got {t.loss_chunk_tokens}")
     if cfg.metrics.log_freq < 1:
         raise ConfigError(f"metrics.log_freq must be >= 1, got {cfg.metrics.log_freq}")
     prof = cfg.profiling
@@ -111,18 +137,26 @@ def check_compile(cfg: JobConfig, device_type: str) -> None:
 
 
 def check_activation_checkpoint(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
+    from .autoparallel.entry import parse_memory_budget
+    from .passes.memory_policy import BUDGET_FLAG
+    from .passes.registry import load_passes
+
     ac = cfg.activation_checkpoint
+    if ac.memory_budget and ac.mode != "memory_budget":
+        raise ConfigError(f"{BUDGET_FLAG} is read by --activation_checkpoint.mode memory_budget only; add that or drop the budget")
+    if ac.mode == "memory_budget":
+        modes = load_passes()["memory_policy"].modes
+        if cfg.compile.mode not in modes:
+            raise ConfigError(
+                f"--activation_checkpoint.mode memory_budget rewrites a traced train step; use --compile.mode "
+                f"{' or '.join(modes)}, or --activation_checkpoint.mode full/selective with --compile.mode {cfg.compile.mode}"
+            )
+        parse_memory_budget(ac.memory_budget, 1.0, flag=BUDGET_FLAG)
     if ac.mode != "selective":
         return
     option = ac.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) >= 1):
         raise ConfigError(f"activation_checkpoint.selective_ac_option must be 'op' or an integer >= 1, got {option!r}")
-    if option == "op" and cfg.compile.mode == "aot_fx_trace":
-        # Under make_fx, op-level SAC only tags nodes for a partitioner; one train-step graph has none.
-        raise ConfigError(
-            "op-level selective activation checkpointing needs a partitioner; with --compile.mode aot_fx_trace use "
-            "--activation_checkpoint.selective_ac_option N (every N-th block) or --activation_checkpoint.mode full"
-        )
 
 
 def check_optimizer_schedule(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
@@ -184,7 +218,7 @@ def check_checkpoint(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None
             return
         folder, meta = chosen
         spec = models.get_spec(cfg.model.name)
-        model = models.build_on_meta(spec, spec.args_for(cfg.model.flavor, t.seq_len, cfg.model.n_layers), device_type())
+        model = models.build_on_meta(spec, spec.job_args(cfg), device_type())
         check_same_model(folder, meta, state_shapes(model.state_dict()), "this model")
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
@@ -204,7 +238,10 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
     """Raise ConfigError for the first problem found; return the resolved mesh degrees."""
     from .parallel.mesh import device_type as detect_device
 
-    degrees = check_mesh(cfg, world_size if world_size is not None else world_size_from_env())
+    check_comm(cfg)
+    if world_size is None:
+        world_size = cfg.comm.fake_world_size if cfg.comm.mode == "fake" else world_size_from_env()
+    degrees = check_mesh(cfg, world_size)
     for check in _CHECKS_AFTER_MESH:
         check(cfg, degrees)
     check_compile(cfg, device_type or detect_device())
@@ -217,6 +254,16 @@ def check_autoparallel(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> No
         raise ConfigError("compile.autoparallel_plan needs --compile.autoparallel (the plan replaces the manual placement)")
     if not c.autoparallel:
         return
+    args = models.get_spec(cfg.model.name).job_args(cfg)
+    if getattr(args, "attn_type", "sdpa") == "flex":
+        # The solver traces each block with the batch's BlockMask as a constant: a plan would keep the
+        # document boundaries of the traced batch.
+        raise ConfigError(f"--compile.autoparallel does not place FlexAttention models yet ({cfg.model.name} {cfg.model.flavor} "
+                          "uses document masks): add --model.attention sdpa, or drop --compile.autoparallel")
+    if c.inductor_compilation == "regional":
+        # Auto-placed blocks run as interpreters of their traced ops, so the module marks that regional Inductor compiles never reach the graph.
+        raise ConfigError("--compile.autoparallel leaves no region marked for --compile.inductor_compilation regional: "
+                          "use --compile.inductor_compilation full (or none), or drop --compile.autoparallel")
     if c.autoparallel_impl == "meta":
         from .autoparallel.meta_adapter import require
 
@@ -225,6 +272,10 @@ def check_autoparallel(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> No
             raise ConfigError(f"--compile.autoparallel_impl meta places dense models only here; use --compile.autoparallel_impl builtin for {cfg.model.name}")
         if c.autoparallel_plan:
             raise ConfigError("compile.autoparallel_plan holds a plan of the built-in solver; drop it or use --compile.autoparallel_impl builtin")
+        if c.mode == "aot":
+            # Meta's placed module runs its own AOTAutograd-compiled function; exporting the step around
+            # it fails inside ("Attempting to use FunctionalTensor on its own", CPU, torch 2.13).
+            raise ConfigError("--compile.autoparallel_impl meta does not run in --compile.mode aot yet: use --compile.mode aot_fx_trace")
     from .autoparallel.entry import EP_DIM, check_plan_file, parse_memory_budget
 
     ep, dp_shard = degrees[3], degrees[1]
@@ -239,3 +290,38 @@ def check_autoparallel(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> No
 
 
 _CHECKS_AFTER_MESH += (check_autoparallel,)
+
+
+def check_initial_load_and_writers(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
+    """--checkpoint.initial_load_path (an HF checkpoint of this architecture and size, or one of our DCP
+    step folders of this model), --checkpoint.last_save_in_hf and --metrics.enable_wandb."""
+    from .checkpoint import CheckpointError, checkpoint_root
+    from .hf_checkpoint import check_dcp_folder, check_hf_folder
+    from .metrics_writers import wandb_missing
+    from .parallel.mesh import device_type
+
+    c = cfg.checkpoint
+    if cfg.metrics.enable_wandb and wandb_missing():
+        raise ConfigError("--metrics.enable_wandb needs the wandb package, which is not installed: pip install wandb, or drop the flag")
+    if c.last_save_in_hf:
+        _check_writable_folder(checkpoint_root(cfg), "--checkpoint.folder")
+    if not c.initial_load_path:
+        if c.initial_load_in_hf:
+            raise ConfigError("--checkpoint.initial_load_in_hf says how to read --checkpoint.initial_load_path: give that folder too")
+        return
+    spec = models.get_spec(cfg.model.name)
+    args = spec.job_args(cfg)
+    model = models.build_on_meta(spec, args, device_type())
+    what = f"{cfg.model.name} {cfg.model.flavor}" + (f" with {cfg.model.n_layers} layers" if cfg.model.n_layers else "")
+    folder = Path(c.initial_load_path)
+    try:
+        if c.initial_load_in_hf:
+            check_hf_folder(folder, spec, model, args, what)
+        else:
+            check_dcp_folder(folder, model, what)
+    except CheckpointError as e:
+        hint = "" if c.initial_load_in_hf or not (folder / "config.json").is_file() else " (a Hugging Face folder: add --checkpoint.initial_load_in_hf)"
+        raise ConfigError(f"{e}{hint}") from None
+
+
+_CHECKS_AFTER_MESH += (check_initial_load_and_writers,)

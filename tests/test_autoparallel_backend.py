@@ -15,30 +15,21 @@ from test_bucketing import PARAMS, counts, fake_pg, trace_llama  # noqa: F401  (
 import graph_trainer.backends.autoparallel as ap
 from graph_trainer.backends import backend_names, get_backend
 from graph_trainer.config import ConfigError, parse_args
-from graph_trainer.passes.bucketing import (
-    BUCKET_SCALES,
-    SCHEDULE_META,
-    saturating_cap,
-    estimate,
-    find_collectives,
-    layout,
-    place,
-    size_runs,
-)
+from graph_trainer.passes.bucket_plan import BUCKET_SCALES, estimate, layout, place, saturating_cap, size_runs
+from graph_trainer.passes.bucketing import SCHEDULE_META
+from graph_trainer.passes.collectives import find_collectives
 from graph_trainer.passes.cost_model import CostModel
 from graph_trainer.passes.registry import apply_passes
 
-OWN = ["reshard_after_forward", "autoparallel_scheduling", "inductor_decomposition", "full_inductor_compilation"]
+OWN = ["autoparallel_scheduling", "inductor_decomposition", "full_inductor_compilation"]
 
 
 def test_pass_list():
     assert "autoparallel_backend" in backend_names()
     backend = get_backend("autoparallel_backend")
     assert backend.pass_names([]) == OWN
-    # a user graph pass runs between resharding and scheduling; a pass the backend runs is taken once;
-    # cudagraph stays last
-    assert backend.pass_names(["reshard_after_forward", "user_graph_pass", "cudagraph"]) == [
-        "reshard_after_forward", "user_graph_pass", *OWN[1:], "cudagraph"]
+    # a user graph pass runs before scheduling; a pass the backend runs is taken once; cudagraph stays last
+    assert backend.pass_names(["autoparallel_scheduling", "user_graph_pass", "cudagraph"]) == ["user_graph_pass", *OWN, "cudagraph"]
 
 
 def test_validator_accepts_the_backend_and_refuses_a_second_scheduler():
@@ -66,7 +57,7 @@ def test_meta_impl_without_the_package_is_a_one_line_config_error(monkeypatch):
 
 
 def test_schedule_picks_the_bucket_size_with_the_lowest_simulated_step(fake_pg):
-    gm, ctx = trace_llama()
+    gm, ctx = trace_llama("--parallelism.reshard_after_forward", "always")
     gm = apply_passes(gm, ["reshard_after_forward"], ctx, "train_step")
     model = CostModel.for_context(ctx, fused=True)
     colls = find_collectives(gm)
@@ -105,14 +96,15 @@ def test_trains_like_eager_with_full_inductor():
     assert len(compiled) == 5
     assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
     stages = {s["stage"]: s for s in json.loads((folder / "graphs" / "summary.json").read_text())["stages"]}
-    assert list(stages) == ["traced", *OWN]
+    assert list(stages) == ["traced", "reshard_after_forward", *OWN]
     assert stages["full_inductor_compilation"]["compiled"] is True
-    gathers = {name: stages[name]["collectives"]["all_gather"]["count"] for name in ("traced", *OWN[:2])}
+    gathers = {name: stages[name]["collectives"]["all_gather"]["count"] for name in ("traced", "reshard_after_forward", OWN[0])}
     assert gathers["traced"] == PARAMS
-    # resharding gathers every parameter but the embedding again for backward; scheduling buckets
-    # those 113 gathers (on the CPU model copies into and out of a bucket cost nearly what the
+    # the default policy gathers every parameter that backward reads again but those of the last
+    # block and the final norm and output (9 + 2; the embedding's gradient does not read it); scheduling
+    # buckets those 102 gathers (on the CPU model copies into and out of a bucket cost nearly what the
     # transfer does, so it keeps buckets small: see test_schedule_without_reshard_... for < 57)
-    assert gathers["reshard_after_forward"] == 2 * PARAMS - 1
+    assert gathers["reshard_after_forward"] == PARAMS + (PARAMS - 1) - (9 + 2)
     assert gathers["autoparallel_scheduling"] < gathers["reshard_after_forward"]
     scheduled = stages["autoparallel_scheduling"]["collectives"]
     assert scheduled["all_gather"]["buckets"] > 0
@@ -142,9 +134,17 @@ def test_trains_like_eager_in_aot_and_with_auto_placement(mode, placement):
     assert losses(read_metrics(folder)) == pytest.approx(losses(eager), rel=1e-4)
     stages = [s["stage"] for s in json.loads((folder / "graphs" / "summary.json").read_text())["stages"]]
     if mode == "aot":
-        own = OWN[1:]  # resharding is the partitioner's choice in aot
-        assert stages == ["joint", *[f"{graph}{suffix}" for graph in ("forward", "backward") for suffix in ["", *(f"_{p}" for p in own)]]]
+        # resharding tags the joint graph for the partitioner; the backend's passes run on its two graphs
+        assert stages == ["joint", "joint_reshard_after_forward",
+                          *[f"{graph}{suffix}" for graph in ("forward", "backward") for suffix in ["", *(f"_{p}" for p in OWN)]]]
     else:
-        assert stages == ["traced", *OWN]
+        assert stages == ["traced", "reshard_after_forward", *OWN]
     if placement == "auto":
-        assert (folder / "placements.json").exists()
+        # The run trained with the solver's placements, not SimpleFSDP's: placements.json names every
+        # parameter, and the small final norm is replicated over dp_shard where SimpleFSDP shards it.
+        placed = json.loads((folder / "placements.json").read_text())
+        manual = json.loads((cached_run((*SMALL, *DP2), 2) / "placements.json").read_text())
+        assert set(placed) == set(manual)
+        dim = placed["norm.weight"]["mesh_dim_names"].index("dp_shard")
+        assert manual["norm.weight"]["placements"][dim] == "Shard(dim=0)"
+        assert placed["norm.weight"]["placements"][dim] == "Replicate()"

@@ -130,7 +130,7 @@ CASES = [
                                         "--profiling.steps", "2"], "--profiling.start_step 4 --profiling.steps 1"),
     # files
     Case("dataset_missing", ["--training.dataset_path", "{scratch}/none.txt"], "pass an existing .txt/.jsonl/.parquet"),
-    Case("tokenizer_missing", ["--model.tokenizer_path", "{scratch}/tok.json"], "pass a tokenizer.json"),
+    Case("tokenizer_missing", ["--model.tokenizer_path", "{scratch}/tok.json"], "pass a tokenizer file or its folder"),
     Case("dump_folder_is_a_file", ["--job.dump_folder", "{prev}/metrics.jsonl/run"], "is a file; pick another path"),
     Case("selective_ac_option", ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"], "'op' or an integer"),
     # passes
@@ -151,7 +151,8 @@ CASES = [
     Case("ckpt_truncated_on_rank_1", ["--checkpoint.enable", "--parallelism.dp_shard", "2"], "fallback_to_previous",
          world_size=2, setup=_truncate_latest, proc=True),
     Case("plan_of_other_mesh", ["--compile.autoparallel", "--compile.autoparallel_plan", "{scratch}/plan.json", "--parallelism.dp_shard", "4", "--training.batch_size", "8"],
-         "plan", world_size=4, setup=_plan_of_other_mesh),
+         "was made for mesh (dp_replicate, dp_shard, tp) = (1, 2, 1), not (1, 4, 1); run `graph-trainer plan` with these --parallelism degrees",
+         world_size=4, setup=_plan_of_other_mesh),
 ]
 
 

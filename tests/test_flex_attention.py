@@ -96,3 +96,85 @@ def test_regions_leave_flex_attention_score_and_mask_functions_to_the_op(flex_an
     unmark_subgraphs(gm)
     assert not any(marked(s.graph) for s in subgraphs)
     assert set(flex_ops) <= set(marked(gm.graph))
+
+
+def test_document_mask_equals_torchtitans_without_a_shifted_copy():
+    """Same mask as torchtitan's `get_document_mask_mod`; its document index is built without the
+    shifted in-place copy that Inductor's FlexAttention template cannot load inside the mask function."""
+    from torchtitan.models.attention import get_document_mask_mod
+
+    tokens = _tokens(6, eos_at=30)
+    tokens[0, -1] = EOS
+    tokens[1, 0] = EOS
+    b, q, kv = torch.meshgrid(torch.arange(2), torch.arange(SEQ), torch.arange(SEQ), indexing="ij")
+    ours = models.document_mask_mod(tokens, EOS)(b, None, q, kv)
+    assert torch.equal(ours, get_document_mask_mod(tokens, EOS)(b, None, q, kv))
+    graph = make_fx(lambda t: models.document_mask_mod(t, EOS)(b, None, q, kv))(tokens)
+    targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
+    assert not any("slice_scatter" in t or "copy_" in t for t in targets), targets
+
+
+def test_backward_of_a_higher_order_op_joins_its_forward_region():
+    """FlexAttention's backward op carries its autograd Function's seq_nr, which no forward op has:
+    it must still land in the attention region (else it runs unfused, materialising the scores),
+    with the subgraphs it calls and the gradients it returns."""
+    import operator
+
+    from graph_trainer.regions import REGION_KEY, copy_marks_to_backward
+
+    mark = {REGION_KEY: {"region": "attention"}}
+    g = torch.fx.Graph()
+    q = g.placeholder("q")
+    fwd = g.call_function(torch.ops.aten.mul.Tensor, (q, q))
+    fwd.meta.update(custom=dict(mark), seq_nr=10)
+    loss = g.call_function(torch.ops.aten.sum.default, (fwd,))
+    loss.meta.update(seq_nr=11)
+    sub = g.get_attr("joint_graph")
+    hop = g.call_function(torch.ops.higher_order.flex_attention_backward, (q, fwd, sub))
+    hop.meta.update(seq_nr=8)
+    grad = g.call_function(operator.getitem, (hop, 0))
+    other = g.call_function(torch.ops.aten.neg.default, (grad,))
+    other.meta.update(seq_nr=3)
+    g.output((loss, other))
+    root = torch.nn.Module()
+    root.joint_graph = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    gm = torch.fx.GraphModule(root, g)
+    copy_marks_to_backward(gm)
+    marked = {n.name for n in gm.graph.nodes if REGION_KEY in (n.meta.get("custom") or {})}
+    assert marked == {fwd.name, hop.name, sub.name, grad.name}
+
+
+def test_deepseek_large_flavors_use_flex_document_masks_unless_sdpa_is_asked():
+    spec = models.get_spec("deepseek_v3")
+    for flavor in ("16B", "671B"):
+        args = spec.args_for(flavor, 4096)
+        assert (args.attn_type, args.attn_mask_type) == ("flex", "block_causal")
+        args = spec.args_for(flavor, 4096, attention="sdpa")
+        assert (args.attn_type, args.attn_mask_type) == ("sdpa", "causal")
+    flex_1b = models.get_spec("llama3").args_for("1B_flex_attn", 4096)
+    assert (flex_1b.attn_type, flex_1b.attn_mask_type, flex_1b.dim) == ("flex", "block_causal", 2048)
+
+
+@torch.no_grad()
+def test_full_inductor_gets_the_mask_as_inputs_built_by_a_prologue(flex_and_sdpa):
+    """Full Inductor compiles FlexAttention only when its block mask arrives as graph inputs: the mask
+    is built from the token ids by a prologue graph, and the main graph equals the traced one."""
+    from graph_trainer.passes.inductor import split_mask_prologue
+
+    flex, _ = flex_and_sdpa
+    state = {**dict(flex.named_parameters()), **dict(flex.named_buffers())}
+
+    def forward(*flat):
+        return torch.func.functional_call(flex, dict(zip(state, flat[:-1])), (flat[-1],))
+
+    with models.traceable_attention():
+        gm = make_fx(forward, tracing_mode="fake")(*state.values(), _tokens(3, 100))
+    prologue, main = split_mask_prologue(gm)
+    ops = lambda g: {str(n.target) for n in g.graph.nodes if n.op == "call_function"}  # noqa: E731
+    assert "aten.cumsum.default" in ops(prologue) and "aten.cumsum.default" not in ops(main)
+    assert any("flex_attention" in t for t in ops(main)) and not any("flex_attention" in t for t in ops(prologue))
+    hops = [n for n in main.graph.nodes if "flex_attention" in str(n.target)]
+    token_inputs = {n for n in main.graph.find_nodes(op="placeholder") if n.name.endswith("_mask")}
+    assert token_inputs and all(token_inputs & set(n.all_input_nodes) for n in hops)
+    args = [*state.values(), _tokens(4, 20)]
+    torch.testing.assert_close(main(*args, *prologue(*args)), gm(*args), rtol=0, atol=0)

@@ -50,8 +50,9 @@ def test_parity_one_rank(tmp_path):
     runs = _train_modes(tmp_path, MODES, ["--training.steps", "10", *SMALL], nproc=1)
     _assert_parity(runs, 10)
     assert losses(runs["eager"])[-1] < losses(runs["eager"])[0]
-    assert [s["stage"] for s in _stages(tmp_path / "jit")] == ["forward", "backward"]
-    assert [s["stage"] for s in _stages(tmp_path / "aot")] == ["joint", "forward", "backward"]
+    # the parameter policy tags the joint graph (jit dumps it only after that pass)
+    assert [s["stage"] for s in _stages(tmp_path / "jit")] == ["joint_reshard_after_forward", "forward", "backward"]
+    assert [s["stage"] for s in _stages(tmp_path / "aot")] == ["joint", "joint_reshard_after_forward", "forward", "backward"]
     for mode in ("jit", "aot"):
         first = runs[mode][0]
         assert first["retraces"] == 0 and first["trace_s"] > 0 and "compile_s" in first, first
@@ -72,15 +73,15 @@ def test_parity_dp_shard_2(dp_shard_2):
 def test_aot_dump_has_fsdp_collectives(dp_shard_2):
     tmp, _ = dp_shard_2
     stages = {s["stage"]: s["collectives"] for s in _stages(tmp / "aot")}
-    assert list(stages) == ["joint", "forward", "backward"]
+    assert list(stages) == ["joint", "joint_reshard_after_forward", "forward", "backward"]
     # One gather and one reduce-scatter per parameter, as in aot_fx_trace's one-graph trace.
     traced = _stages(tmp / "aot_fx_trace")[0]["collectives"]
     assert stages["forward"]["all_gather"]["count"] == traced["all_gather"]["count"] > 0
     assert stages["backward"]["reduce_scatter"]["count"] == traced["reduce_scatter"]["count"] > 0
     assert "reduce_scatter" not in stages["forward"]
     graphs = tmp / "aot" / "graphs"
-    assert "all_gather_into_tensor" in (graphs / "01_forward.py").read_text()
-    assert "reduce_scatter_tensor" in (graphs / "02_backward.py").read_text()
+    assert "all_gather_into_tensor" in (graphs / "02_forward.py").read_text()
+    assert "reduce_scatter_tensor" in (graphs / "03_backward.py").read_text()
 
 
 @pytest.mark.slow
@@ -178,7 +179,10 @@ def test_passes_run_on_their_stages(trainer, mode):
     SEEN.clear()
     step(*trainer.next_batch())
     stages = ["joint", "forward", "backward"] if mode == "aot" else ["forward", "backward"]
-    assert [s["stage"] for s in ctx.stats["graph"]] == [x for s in stages for x in (s, f"{s}_{PROBE}")]
+    # the parameter policy's pass runs first on the joint graph, which jit dumps only after it
+    policy = ["joint_reshard_after_forward"] if mode == "jit" else []
+    expected = [x for s in stages for x in ((s, "joint_reshard_after_forward", f"{s}_{PROBE}") if s == "joint" else (s, f"{s}_{PROBE}"))]
+    assert [s["stage"] for s in ctx.stats["graph"]] == policy + expected
     assert len(SEEN) == len(stages)
     if mode == "aot":
         # The joint and forward graphs start with the parameter shards, named by the model's FQNs.

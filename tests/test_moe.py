@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,11 +14,13 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_trainer import trainer
+from graph_trainer.compare import free_port
 from graph_trainer.config import parse_args
 from graph_trainer.parallel import expert_parallel
 from graph_trainer.parallel.moe_dispatch import DispatchPlan, dispatch_and_combine
 
-from helpers import grad_norms, launch, losses, read_metrics, run_train
+import moe_skew
+from helpers import REPO, child_env, grad_norms, losses, read_metrics, run_train
 
 # A constant learning rate after warm-up, so runs of different lengths agree on their common steps.
 SMALL = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--training.batch_size", "4", "--training.seq_len", "64",
@@ -56,8 +60,27 @@ def experts_and_tokens():
     return x, w1, w2, w3
 
 
+def _kept_by_score(scores: torch.Tensor, experts: torch.Tensor, capacity: int, ep: int, num_experts: int) -> torch.Tensor:
+    """The documented rule, written plainly: each peer keeps its `capacity` pairs of highest score,
+    equal scores in (token, k) order. Returns a (tokens, top_k) bool mask."""
+    flat_scores, flat_experts = scores.flatten().tolist(), experts.flatten().tolist()
+    kept = torch.zeros(len(flat_scores), dtype=torch.bool)
+    for peer in range(ep):
+        mine = [i for i, e in enumerate(flat_experts) if e // (num_experts // ep) == peer]
+        for i in sorted(mine, key=lambda i: (-flat_scores[i], i))[:capacity]:
+            kept[i] = True
+    return kept.view_as(experts)
+
+
+def _kept_in_expert_order(experts: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The old rule (one peer): the buffer filled in expert order, so overflow hit the highest experts."""
+    kept = torch.zeros(experts.numel(), dtype=torch.bool)
+    kept[torch.argsort(experts.flatten(), stable=True)[:capacity]] = True
+    return kept.view_as(experts)
+
+
 @pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
-def test_dispatch_matches_per_token_reference_and_drops_over_capacity(experts_and_tokens, capacity_factor):
+def test_dispatch_matches_per_token_reference_and_drops_lowest_scores(experts_and_tokens, capacity_factor):
     x, w1, w2, w3 = experts_and_tokens
     scores, idx = _routing(1, x.shape[0], w1.shape[0], top_k=2)
     plan = DispatchPlan(num_experts=4, top_k=2, ep_mesh=None, capacity_factor=capacity_factor, score_before_experts=False)
@@ -65,14 +88,33 @@ def test_dispatch_matches_per_token_reference_and_drops_over_capacity(experts_an
 
     pairs = idx.numel()
     capacity = plan.capacity(x.shape[0])
-    # One peer: it keeps the first `capacity` pairs in (stable) expert order.
-    kept = torch.zeros(pairs, dtype=torch.bool)
-    kept[torch.argsort(idx.flatten(), stable=True)[:capacity]] = True
-    expected = _reference(x, scores, idx, w1, w2, w3, kept.view_as(idx))
+    kept = _kept_by_score(scores, idx, capacity, ep=1, num_experts=4)
+    expected = _reference(x, scores, idx, w1, w2, w3, kept)
     torch.testing.assert_close(result.output, expected, rtol=1e-5, atol=1e-5)
     assert result.dropped.item() == pairs - capacity
     assert (capacity < pairs) == (capacity_factor > 0)
-    assert torch.equal(result.tokens_per_expert, torch.bincount(idx.flatten(), minlength=4).float())
+    # Load-balancing counts: the pairs each expert processed, dropped ones left out.
+    assert torch.equal(result.tokens_per_expert, torch.bincount(idx[kept], minlength=4).float())
+    if capacity_factor > 0:
+        assert not torch.equal(kept, _kept_in_expert_order(idx, capacity))
+
+
+def test_full_buffer_drops_lowest_scores_not_highest_experts(experts_and_tokens):
+    """A hot expert 0 with weak scores and expert 3 with stronger ones: the old expert-order rule kept
+    12 of expert 0's pairs and dropped all of expert 3; the score rule keeps expert 3's pairs and
+    drops expert 0's weakest."""
+    x, w1, w2, w3 = experts_and_tokens
+    idx = torch.tensor([0] * 18 + [3] * 6).unsqueeze(1)
+    scores = torch.cat([0.10 + 0.001 * torch.arange(18.0), torch.full((6,), 0.3)]).unsqueeze(1)
+    plan = DispatchPlan(num_experts=4, top_k=1, ep_mesh=None, capacity_factor=0.5, score_before_experts=False)
+    assert plan.capacity(24) == 12
+    result = dispatch_and_combine(plan, x, scores, idx, w1, w2, w3)
+    kept = torch.tensor([False] * 12 + [True] * 12).unsqueeze(1)
+    assert not _kept_in_expert_order(idx, 12)[18:].any()
+    torch.testing.assert_close(result.output, _reference(x, scores, idx, w1, w2, w3, kept), rtol=1e-5, atol=1e-5)
+    assert torch.all(result.output[:12] == 0) and torch.all(result.output[18:].abs().sum(dim=1) > 0)
+    assert result.tokens_per_expert.tolist() == [6.0, 0.0, 0.0, 6.0]
+    assert result.dropped.item() == 12
 
 
 def test_one_traced_graph_serves_every_routing(experts_and_tokens):
@@ -100,32 +142,36 @@ def test_one_traced_graph_serves_every_routing(experts_and_tokens):
     assert not torch.equal(counts[0], counts[1])
 
 
-def _train_in_process(monkeypatch, tmp_path, mode: str) -> dict:
-    """Train one rank in this process, recording what each optimizer step's load-balancing hook saw."""
-    seen: dict[str, list[torch.Tensor]] = {"counts": [], "bias": []}
+def _train_in_process(monkeypatch, folder, mode: str, args: list[str] = (), steps: int = STEPS, skew: bool = False) -> dict:
+    """Train one rank in this process, recording what each optimizer step's load-balancing hook saw
+    and, for a skewed eager run, every dispatch call's routing."""
+    seen: dict[str, list] = {"counts": [], "dropped": [], "bias": [], "calls": []}
 
-    def spy(blocks, meshes):
+    def spy(blocks, meshes, forwards):
         seen["counts"].append(torch.stack([moe.tokens_per_expert.clone() for _, moe in blocks]))
-        _UPDATE_EXPERT_BIAS(blocks, meshes)
+        seen["dropped"].append(torch.stack([moe.tokens_dropped.clone() for _, moe in blocks]))
+        total = _UPDATE_EXPERT_BIAS(blocks, meshes, forwards)
         seen["bias"].append(torch.stack([moe.expert_bias.clone() for _, moe in blocks]))
+        return total
 
     monkeypatch.setattr(expert_parallel, "_update_expert_bias", spy)
+    if skew:
+        moe_skew.install(monkeypatch.setattr, seen["calls"] if mode == "eager" else None)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    cfg = parse_args([*SMALL, "--training.steps", str(STEPS), "--compile.mode", mode, "--job.dump_folder", str(tmp_path / mode),
+    cfg = parse_args([*SMALL, "--training.steps", str(steps), *args, "--compile.mode", mode, "--job.dump_folder", str(folder / mode),
                       "--metrics.progress_bar", "false"])
-    trainer.run(cfg)
-    return {"records": read_metrics(tmp_path / mode), **seen}
+    try:
+        trainer.run(cfg)
+    finally:
+        monkeypatch.undo()
+    return {"records": read_metrics(folder / mode), **seen}
 
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
-    monkeypatch = pytest.MonkeyPatch()
     tmp = tmp_path_factory.mktemp("moe_one_rank")
-    try:
-        return {mode: _train_in_process(monkeypatch, tmp, mode) for mode in ("eager", "aot_fx_trace")}
-    finally:
-        monkeypatch.undo()
+    return {mode: _train_in_process(pytest.MonkeyPatch(), tmp, mode) for mode in ("eager", "aot_fx_trace")}
 
 
 def test_one_rank_traced_equals_eager_and_balances_load(one_rank):
@@ -163,16 +209,88 @@ def test_expert_parallel_matches_one_rank_and_traces_all_to_all(one_rank, tmp_pa
     assert traced_stage["collectives"]["all_to_all"]["count"] == 5 * 5
 
 
+EXPERTS = 8
+# Skewed runs: 3 layers, the first dense (the debug model's layout), so 2 MoE blocks route per step.
+SKEWED_LAYERS, MOE_LAYERS = ["--model.n_layers", "3"], 2
+SKEWED_STEPS, SKEWED_FACTOR = 4, 0.5
+
+
+def _expected_drops(calls: list, ep: int, capacity_factor: float) -> list[int]:
+    """Pairs dropped by each dispatch call, counted from its routing alone: each peer's buffer holds
+    ceil(f * pairs / ep) rows and drops whatever of its pairs exceed that."""
+    drops = []
+    for _, experts in calls:
+        pairs = experts.numel()
+        capacity = min(pairs, math.ceil(capacity_factor * pairs / ep))
+        per_peer = torch.bincount(experts.flatten() // (EXPERTS // ep), minlength=ep)
+        drops.append(int((per_peer - capacity).clamp(min=0).sum()))
+    return drops
+
+
+@pytest.fixture(scope="module")
+def skewed_one_rank(tmp_path_factory):
+    """Expert 0 chosen by every token, capacity factor 0.5: every MoE layer drops pairs every step."""
+    tmp = tmp_path_factory.mktemp("moe_skewed")
+    args = [*SKEWED_LAYERS, "--parallelism.moe_capacity_factor", str(SKEWED_FACTOR)]
+    return {mode: _train_in_process(pytest.MonkeyPatch(), tmp, mode, args, steps=SKEWED_STEPS, skew=True)
+            for mode in ("eager", "aot_fx_trace")}
+
+
+def test_skewed_routing_drops_lowest_scores_and_counts_only_kept_pairs(skewed_one_rank):
+    eager, traced = skewed_one_rank["eager"], skewed_one_rank["aot_fx_trace"]
+    calls = eager["calls"]
+    assert len(calls) == SKEWED_STEPS * MOE_LAYERS
+    assert all(torch.all((experts == 0).any(dim=1)) for _, experts in calls)
+    capacity = math.ceil(SKEWED_FACTOR * PAIRS_PER_STEP)
+    drops = _expected_drops(calls, 1, SKEWED_FACTOR)
+    assert all(d == PAIRS_PER_STEP - capacity for d in drops)
+    for step in range(SKEWED_STEPS):
+        layer_calls = calls[step * MOE_LAYERS:(step + 1) * MOE_LAYERS]
+        for layer, (scores, experts) in enumerate(layer_calls):
+            kept = _kept_by_score(scores, experts, capacity, 1, EXPERTS)
+            # The old rule would have kept every pair of the hot expert 0 and dropped the highest experts.
+            assert not torch.equal(kept, _kept_in_expert_order(experts, capacity))
+            # The load-balancing hook saw exactly the kept pairs per expert, and the dropped ones apart.
+            assert torch.equal(eager["counts"][step][layer], torch.bincount(experts[kept], minlength=EXPERTS).float())
+            assert eager["dropped"][step][layer].item() == drops[step * MOE_LAYERS + layer]
+    assert [r["dropped_tokens"] for r in eager["records"]] == [
+        sum(drops[s * MOE_LAYERS:(s + 1) * MOE_LAYERS]) for s in range(SKEWED_STEPS)
+    ]
+    # The traced step drops the same pairs: bitwise the same run.
+    assert losses(traced["records"]) == losses(eager["records"])
+    assert grad_norms(traced["records"]) == grad_norms(eager["records"])
+    assert [r["dropped_tokens"] for r in traced["records"]] == [r["dropped_tokens"] for r in eager["records"]]
+    assert all(torch.equal(a, b) for a, b in zip(traced["counts"], eager["counts"]))
+
+
+def test_without_capacity_factor_nothing_is_dropped(one_rank):
+    """`dropped_tokens` is in every record of an MoE run, 0 when the buffers hold every pair."""
+    assert [r["dropped_tokens"] for r in one_rank["eager"]["records"]] == [0] * STEPS
+
+
 @pytest.mark.slow
-def test_capacity_factor_below_one_drops_tokens_and_trains(tmp_path):
-    args = [*SMALL, "--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--training.steps", "3",
-            "--compile.mode", "aot_fx_trace", "--parallelism.moe_capacity_factor", "0.5"]
-    proc = launch(["train", "--job.dump_folder", str(tmp_path), *args], nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    dropped = [line for line in proc.stderr.splitlines() if "moe: dropped" in line]
-    assert len(dropped) == 3
-    records = read_metrics(tmp_path)
-    assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records)
+def test_expert_parallel_drops_counted_over_ranks_and_traced_equals_eager(tmp_path):
+    """ep=2 with a hot expert 0 and capacity factor 1: the peer holding expert 0 overflows. The
+    recorded routing of both ranks gives the global count each metrics record must hold."""
+    args = [*SMALL, *SKEWED_LAYERS, "--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--training.steps", "3",
+            "--parallelism.moe_capacity_factor", "1.0"]
+    records = {}
+    for mode, record_dir in (("eager", str(tmp_path / "calls")), ("aot_fx_trace", "-")):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+               str(REPO / "tests" / "moe_skew.py"), record_dir, "train", "--job.dump_folder", str(tmp_path / mode), *args,
+               "--compile.mode", mode]
+        proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "moe: dropped" not in proc.stderr
+        records[mode] = read_metrics(tmp_path / mode)
+    eager, traced = records["eager"], records["aot_fx_trace"]
+    assert losses(traced) == losses(eager)
+    assert grad_norms(traced) == grad_norms(eager)
+    calls = [torch.load(tmp_path / "calls" / f"rank{r}.pt") for r in (0, 1)]
+    expected = [sum(sum(_expected_drops(c[s * MOE_LAYERS:(s + 1) * MOE_LAYERS], 2, 1.0)) for c in calls) for s in range(3)]
+    assert all(expected)
+    assert [r["dropped_tokens"] for r in eager] == expected
+    assert [r["dropped_tokens"] for r in traced] == expected
 
 
 @pytest.mark.slow

@@ -28,6 +28,12 @@ def test_plan_command_prints_and_writes(tmp_path):
     assert f"plan written to {tmp_path / 'plan.json'}" in out
 
 
+README_PLAN_S = {"8B on 8": 1.2, "8B on 8 x 8": 7.1, "70B on 8 x 8": 7.7}
+"""trace + build + solve as the README states them (measured on the shared 2-core machine at load 12-17)."""
+LOADED = 3.0
+"""Room for a 2-core machine busier than when the README's figures were measured."""
+
+
 def planned_in_time(tmp_path, limit_s: float, *flags: str) -> dict:
     """Run `graph-trainer plan`; its printed total (trace + build + solve) and plan.json's are under the limit."""
     proc = _plan(tmp_path, *flags)
@@ -41,18 +47,20 @@ def planned_in_time(tmp_path, limit_s: float, *flags: str) -> dict:
 
 @pytest.mark.slow
 def test_plan_8b_on_8_fake_ranks_is_fast(tmp_path):
-    planned_in_time(tmp_path, 10, "--config", "configs/llama3_8b.toml", "--parallelism.dp_shard", "8")
+    planned_in_time(tmp_path, LOADED * README_PLAN_S["8B on 8"], "--config", "configs/llama3_8b.toml", "--parallelism.dp_shard", "8")
 
 
 @pytest.mark.slow
 def test_plan_8b_on_8x8_fake_ranks_is_fast(tmp_path):
-    plan = planned_in_time(tmp_path, 30, "--config", "configs/llama3_8b.toml", "--parallelism.dp_shard", "8", "--parallelism.tp", "8")
+    plan = planned_in_time(tmp_path, LOADED * README_PLAN_S["8B on 8 x 8"], "--config", "configs/llama3_8b.toml",
+                           "--parallelism.dp_shard", "8", "--parallelism.tp", "8")
     assert plan["params"]["layers.*.feed_forward.w1.weight"]["compute"] == ["R", "S0"]
 
 
 @pytest.mark.slow
 def test_plan_70b_on_8x8_fake_ranks_is_fast(tmp_path):
-    plan = planned_in_time(tmp_path, 60, "--config", "configs/llama3_70b.toml", "--parallelism.dp_shard", "8", "--parallelism.tp", "8")
+    plan = planned_in_time(tmp_path, LOADED * README_PLAN_S["70B on 8 x 8"], "--config", "configs/llama3_70b.toml",
+                           "--parallelism.dp_shard", "8", "--parallelism.tp", "8")
     assert plan["params"]["layers.*.feed_forward.w2.weight"]["compute"] == ["R", "S1"]
 
 

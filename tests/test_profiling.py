@@ -48,3 +48,7 @@ def test_profiled_steps_are_marked_and_summarised(profiled):
     assert not any("all_gather" in n or "reduce_scatter" in n for n in names)
     assert 0 <= summary["exposed_comm_ms"] <= summary["comm_ms"] < 0.2 * summary["step_time_ms"]
     assert 0 < summary["busy_ms"] <= summary["step_time_ms"] * 1.05
+    shares = [k["share_of_kernel_time"] for k in summary["top_kernels"]]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+    mm = next(k for k in summary["top_kernels"] if k["name"] == "aten::mm")
+    assert mm["share_of_kernel_time"] == pytest.approx(mm["ms_per_step"] / summary["kernel_ms"])

@@ -23,14 +23,15 @@ def plan(*flags: str) -> dict:
 
 
 def test_collective_formulas():
-    cm = CommModel((4,), (100e9,), 10e-6)
+    # 4 ranks, 100 GB/s, 10 us per ring step: the passes' formula (hardware.ring_collective_s)
+    cm = CommModel((4,), ((100e9, 10e-6),))
     nbytes = 4e8
     t, colls = cm.redistribute(nbytes, ("S0",), ("R",))
-    assert colls == (("all_gather", nbytes),) and t == pytest.approx(10e-6 + 0.75 * nbytes / 100e9)
+    assert colls == (("all_gather", nbytes),) and t == pytest.approx(3 * 10e-6 + 0.75 * nbytes / 100e9)
     t, colls = cm.redistribute(nbytes, ("P",), ("R",))
-    assert colls[0][0] == "all_reduce" and t == pytest.approx(10e-6 + 1.5 * nbytes / 100e9)
+    assert colls[0][0] == "all_reduce" and t == pytest.approx(3 * 10e-6 + 1.5 * nbytes / 100e9)
     t, colls = cm.redistribute(nbytes, ("P",), ("S1",))
-    assert colls[0][0] == "reduce_scatter" and t == pytest.approx(10e-6 + 0.75 * nbytes / 100e9)
+    assert colls[0][0] == "reduce_scatter" and t == pytest.approx(3 * 10e-6 + 0.75 * nbytes / 100e9)
     assert cm.redistribute(nbytes, ("R",), ("S0",))[0] == 0.0
     assert math.isinf(cm.redistribute(nbytes, ("R",), ("P",))[0])
     # batch-parallel matmul: the replicated weight's gradient is partial, reduced back to its shard
@@ -49,7 +50,8 @@ def test_dp_mesh_gives_fsdp():
         assert entry["compute"] == ["R"], (name, entry)  # gathered for compute
     comm = p["predicted"]["communication"]
     assert comm["all_gather (forward)"]["count"] >= 7 * 32 and comm["reduce_scatter (backward)"]["count"] >= 7 * 32
-    assert p["program"]["lp_integral"] and p["program"]["total_s"] < 10
+    # the README's 1.2 s for this plan, with room for a busier 2-core machine (tests/test_plan.py)
+    assert p["program"]["lp_integral"] and p["program"]["total_s"] < 3 * 1.2
 
 
 @pytest.mark.slow
@@ -104,7 +106,7 @@ def test_network_speed_decides_what_a_loose_budget_replicates(monkeypatch):
     (a collective's latency outweighs their optimizer step); on a slow network everything in the
     blocks stays replicated."""
     from graph_trainer.autoparallel import entry
-    from graph_trainer.autoparallel.costs import Hardware
+    from graph_trainer.hardware import Hardware
 
     flags = ("--config", "configs/llama3_1b.toml", "--parallelism.dp_shard", "8", "--training.batch_size", "8")
     fast = make_plan(parse_args(list(flags)))
@@ -172,13 +174,14 @@ def test_meta_autoparallel_places_llama_on_two_ranks():
     from torch.distributed.tensor import DTensor
 
     from graph_trainer import models
-    from graph_trainer.autoparallel import compat, meta_adapter
+    from graph_trainer.autoparallel import meta_adapter
+    from graph_trainer.parallel.compat import init_fake_process_group
     from graph_trainer.parallel.simple_fsdp import MixedPrecision
     from graph_trainer.passes.bucketing_compat import META_AUTOPARALLEL_INSTALL
 
     if meta_adapter.auto_parallel_class() is None:
         pytest.skip(f"Meta's autoparallel is not installed: {META_AUTOPARALLEL_INSTALL}")
-    compat.init_fake_process_group(2)
+    init_fake_process_group(2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
     spec = models.get_spec("llama3")
     model = models.build_on_meta(spec, spec.args_for("debugmodel", 64), "cpu")

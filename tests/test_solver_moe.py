@@ -67,7 +67,7 @@ def test_debug_on_2_ranks_gathers_small_experts_unless_ep_is_pinned():
 
 @pytest.mark.slow
 def test_solver_chooses_expert_parallelism_for_16b_on_8_ranks():
-    p = plan("--config", "configs/deepseek_v3_16b.toml", "--parallelism.dp_shard", "8", "--parallelism.ep", "1")
+    p = plan("--config", "configs/deepseek_v3_16b.toml", "--model.attention", "sdpa", "--parallelism.dp_shard", "8", "--parallelism.ep", "1")
     moe = p["moe"]["layers.*.moe"]
     assert moe["alternatives"] == 4 and moe["expert_parallel"] == {"dim": "dp_shard", "degree": 8}, moe
     for w in EXPERT_WEIGHTS:  # stored as computed: no gather of 1 GiB of experts per layer
@@ -82,12 +82,14 @@ def test_solver_chooses_expert_parallelism_for_16b_on_8_ranks():
 @pytest.mark.slow
 def test_plan_16b_on_8_fake_ranks_is_fast(tmp_path):
     """The issue's command: the config pins ep 8, i.e. EP over dp_shard."""
-    proc = launch(["plan", "--job.dump_folder", str(tmp_path), "--config", "configs/deepseek_v3_16b.toml", "--parallelism.dp_shard", "8"])
+    proc = launch(["plan", "--job.dump_folder", str(tmp_path), "--config", "configs/deepseek_v3_16b.toml", "--model.attention", "sdpa",
+                   "--parallelism.dp_shard", "8"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layers.*.moe" in proc.stdout and "expert parallel over dp_shard, ep=8" in proc.stdout
     p = json.loads((tmp_path / "plan.json").read_text())
     assert p["moe"]["layers.*.moe"]["expert_parallel"] == {"dim": "dp_shard", "degree": 8}
-    assert p["program"]["total_s"] < 60 and p["fallbacks"] == []
+    # the README's 5.2 s, with room for a busier 2-core machine
+    assert p["program"]["total_s"] < 3 * 5.2 and p["fallbacks"] == []
 
 
 def test_ep_pins_dp_shard_only():

@@ -113,6 +113,14 @@ class UnitRunner:
             t = args[pos] if isinstance(pos, int) else kwargs[pos]
             if not isinstance(t, DTensor):
                 t = self._wrap(t, self.batch if self.input_kinds[j] == "input" else self.replicate)
+            traced = ph.meta["val"].shape
+            if t.shape != traced:
+                # The traced ops carry the traced shapes (views, masks): another shape would run them on wrong data.
+                raise ConfigError(
+                    f"autoparallel: {unit.modules[0]!r} was traced and planned for inputs of global shape {tuple(traced)}, "
+                    f"got {tuple(t.shape)}; auto placement runs one batch shape: keep training.batch_size, "
+                    "gradient_accumulation_steps and seq_len as planned, or drop --compile.autoparallel"
+                )
             env[ph.name] = self._to(t, self.input_specs[j])
         cache: dict[tuple[str, tuple], Any] = {}
 

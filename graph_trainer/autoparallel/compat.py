@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
@@ -63,15 +62,6 @@ def call_single_dim_rules(op: Any, args: tuple, kwargs: dict) -> list[list[Any]]
     for rule in rules:
         out.append([p.dim if type(p).__name__ == "_ShardingPlaceholder" else p for p in rule])
     return out
-
-
-def init_fake_process_group(world_size: int) -> None:
-    """One process standing in for `world_size` ranks: collectives are no-ops, nothing is allocated."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
 def current_trace_graph() -> torch.fx.Graph | None:

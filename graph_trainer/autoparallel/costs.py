@@ -1,22 +1,17 @@
-"""Cost model: alpha-beta collectives per mesh dimension, roofline compute, per-rank parameter memory.
+"""Cost model of the solver: ring collectives per mesh dimension, roofline compute, per-rank memory.
 
-Default numbers (H100 SXM; all overridable through `Hardware`):
-- 989 TFLOP/s dense bf16 and 3.35 TB/s HBM3: NVIDIA's H100 SXM data sheet. fp32 matmuls are priced
-  at half the bf16 rate (TF32 tensor cores: 494 TFLOP/s on the same sheet).
-- 70% of peak is reachable for both (AutoParallel's and torch's roofline estimators use 0.7; the
-  project measured 729-798 TFLOP/s for a bf16 8192^3 matmul, 74-81%).
-- NVLink 4: 900 GB/s per GPU both directions together, so 450 GB/s per direction, inside an 8-GPU
-  node; 400 Gb/s (50 GB/s) per GPU InfiniBand NDR between nodes (HGX H100 reference design).
-- alpha = 10 us per collective: NCCL's launch + ring latency order of magnitude at these sizes.
-- 80 GiB of device memory when there is no GPU to ask.
+The device and link numbers are `graph_trainer.hardware.Hardware` (H100 by default; `--compile.hardware`
+picks another), the same ones the collective scheduling passes and the prediction file use, and a
+collective is priced by the same formula (`hardware.ring_collective_s`). A mesh dim stays inside an
+8-GPU node (NVLink) when it and the dims after it fit in one, else it crosses nodes (InfiniBand).
 
-Collectives over n ranks of a mesh dimension with bandwidth B (ring algorithms):
-all-gather (S->R) and reduce-scatter (P->S): alpha + (n-1)/n * bytes / B with `bytes` the full
-(gathered, or pre-scatter) local size; all-reduce (P->R): alpha + 2 (n-1)/n * bytes / B; all-to-all
-(S(d)->S(d')): alpha + (n-1)/n * bytes / B; R->S is a local slice (free); anything -> Partial is
+Collectives over n ranks of a mesh dimension with bandwidth B and ring step latency L:
+all-gather (S->R) and reduce-scatter (P->S): (n-1) L + (n-1)/n * bytes / B with `bytes` the full
+(gathered, or pre-scatter) local size; all-reduce (P->R): twice the bytes, one latency; all-to-all
+(S(d)->S(d')): (n-1) L + (n-1)/n * bytes / B; R->S is a local slice (free); anything -> Partial is
 forbidden. A multi-dimension redistribution runs reductions first, then all-to-alls, then gathers
 from the innermost mesh dimension out, each priced on the local size at that moment. The gathers of
-parameters (and the reductions of their gradients) pay one alpha per unit, not per parameter: the
+parameters (and the reductions of their gradients) pay one latency per unit, not per parameter: the
 bucketing passes merge them per transformer block, as FSDP implementations do.
 
 Backward: the plan runs as DTensor ops, so autograd's backward of each redistribution is the
@@ -27,7 +22,8 @@ was redistributed in forward, DTensor leaves a Partial gradient as it is, and vi
 on: their strategies have variants that take it (Strategy.grad_outs), so the reduction is priced once
 where the value was redistributed (Megatron's one reduce-scatter for q, k and v), not after each
 reader. Backward compute is 2x the forward for matmul-like ops (two matmuls per forward one) and 1x
-for the rest.
+for the rest; every kernel also costs the hardware's launch time (forward and backward kernels), which
+is what small models are bound by.
 """
 
 from __future__ import annotations
@@ -39,40 +35,22 @@ from typing import Sequence
 
 import torch
 
+from ..hardware import Hardware, ring_collective_s, roofline_s
+from ..units import GiB  # noqa: F401  (entry.py and meta_adapter.py import it from here; its home is units.py)
 from .strategies import Spec, Strategy, shard_factor
 
-GiB = 1024**3
 
-
-@dataclass(frozen=True)
-class Hardware:
-    peak_flops_bf16: float = 989e12
-    hbm_bytes_per_s: float = 3.35e12
-    efficiency: float = 0.7
-    intra_node_bytes_per_s: float = 450e9
-    inter_node_bytes_per_s: float = 50e9
-    alpha_s: float = 10e-6
-    gpus_per_node: int = 8
-    device_memory_bytes: float = 80 * GiB
-
-    def peak_flops(self, dtype: torch.dtype) -> float:
-        return self.peak_flops_bf16 if dtype in (torch.bfloat16, torch.float16) else self.peak_flops_bf16 / 2
-
-
-def mesh_bandwidths(full_shape: Sequence[int], solver_dims: Sequence[int], hw: Hardware) -> tuple[float, ...]:
-    """Ranks are laid out row-major: a mesh dim stays inside a node when it and the dims after it fit."""
-    out = []
-    for d in solver_dims:
-        span = math.prod(full_shape[d:])
-        out.append(hw.intra_node_bytes_per_s if span <= hw.gpus_per_node else hw.inter_node_bytes_per_s)
-    return tuple(out)
+def mesh_links(full_shape: Sequence[int], solver_dims: Sequence[int], hw: Hardware) -> tuple[tuple[float, float], ...]:
+    """(bytes/s, ring step latency) per solver dim. Ranks are laid out row-major: a mesh dim stays
+    inside a node when it and the dims after it fit."""
+    return tuple(hw.link(math.prod(full_shape[d:]) > hw.gpus_per_node) for d in solver_dims)
 
 
 @dataclass(frozen=True)
 class CommModel:
     sizes: tuple[int, ...]
-    bandwidths: tuple[float, ...]
-    alpha: float
+    links: tuple[tuple[float, float], ...]
+    """(bytes/s, ring step latency) per solver mesh dim."""
 
     def redistribute(self, nbytes: float, src: Spec, dst: Spec, latency_share: float = 1.0) -> tuple[float, tuple[tuple[str, float], ...]]:
         """Time in seconds (inf if impossible) and the collectives as (kind, bytes) pairs.
@@ -82,9 +60,8 @@ class CommModel:
     def collective(self, kind: str, nbytes: float, mesh_dim: int, latency_share: float = 1.0) -> float:
         """Seconds for one collective on solver mesh dim `mesh_dim`; `nbytes` is the full (gathered,
         pre-scatter, or sent) local size."""
-        n, bw = self.sizes[mesh_dim], self.bandwidths[mesh_dim]
-        factor = 2.0 if kind == "all_reduce" else 1.0
-        return self.alpha * latency_share + factor * (n - 1) / n * nbytes / bw
+        bw, latency = self.links[mesh_dim]
+        return ring_collective_s(kind, nbytes, self.sizes[mesh_dim], bw, latency, latency_share)
 
 
 @lru_cache(maxsize=None)
@@ -147,24 +124,15 @@ def work_fraction(strategy: Strategy, sizes: Sequence[int]) -> int:
     return math.prod(n for m, n in enumerate(sizes) if any(s[m] != "R" for s in strategy.ins + strategy.outs))
 
 
-def roofline(flops: float, nbytes: float, dtype: torch.dtype, hw: Hardware) -> float:
-    """Seconds for work bound by the tensor cores or by HBM, whichever is slower, at the hardware's efficiency."""
-    return max(flops / (hw.efficiency * hw.peak_flops(dtype)), nbytes / (hw.efficiency * hw.hbm_bytes_per_s))
-
-
 def compute_time(flops: float, in_bytes: Sequence[float], out_bytes: Sequence[float], strategy: Strategy,
                  sizes: Sequence[int], dtype: torch.dtype, hw: Hardware, needs_grad: bool) -> float:
     split = work_fraction(strategy, sizes)
     moved = sum(b / shard_factor(s, sizes) for b, s in zip(in_bytes, strategy.ins))
     moved += sum(b / shard_factor(s, sizes) for b, s in zip(out_bytes, strategy.outs))
-    t = roofline(flops / split, moved, dtype, hw)
+    t = roofline_s(flops / split, moved, dtype, hw)
     if needs_grad:
-        t *= 3.0 if flops else 2.0
-    return t
-
-
-OPTIMIZER_BYTES_PER_ELEMENT = 28
-"""AdamW step per element: read param, grad and two moments, write param and two moments (fp32)."""
+        return t * (3.0 if flops else 2.0) + hw.launch_s * (3 if flops else 2)
+    return t + hw.launch_s
 
 
 def state_bytes_per_element(storage_itemsize: int) -> int:

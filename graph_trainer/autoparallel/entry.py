@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import ConfigError, JobConfig
+from ..parallel.simple_fsdp import MixedPrecision
 from . import report
 from .costs import GiB, Hardware
 from .planner import MeshInfo, Settings, plan_model
@@ -20,7 +21,6 @@ from .planner import MeshInfo, Settings, plan_model
 PLAN_VERSION = 1
 EP_DIM = "dp_shard"
 """`--parallelism.ep N` with the solver pins expert parallelism to this mesh dim (N must be its size)."""
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def device_memory_bytes() -> float:
@@ -29,18 +29,19 @@ def device_memory_bytes() -> float:
     return Hardware().device_memory_bytes
 
 
-def parse_memory_budget(text: str, device_memory: float) -> float:
-    """'' -> half the device memory (the rest is for activations); '0.5' -> a fraction; '20GiB' / '512MiB'."""
+def parse_memory_budget(text: str, device_memory: float, flag: str = "compile.autoparallel_memory_budget") -> float:
+    """'' -> half the device memory (the rest is for activations); '0.5' -> a fraction; '20GiB' / '512MiB'.
+    `flag` names the setting in errors."""
     text = text.strip()
     if not text:
         return 0.5 * device_memory
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB)?", text)
     if not m:
-        raise ConfigError(f"compile.autoparallel_memory_budget {text!r} is not a fraction (0.5) or a size (20GiB, 512MiB)")
+        raise ConfigError(f"{flag} {text!r} is not a fraction (0.5) or a size (20GiB, 512MiB)")
     value, unit = float(m.group(1)), m.group(2)
     if unit is None:
         if not 0 < value <= 1:
-            raise ConfigError(f"compile.autoparallel_memory_budget {text!r}: a fraction of device memory must be in (0, 1]; use e.g. 0.5 or 20GiB")
+            raise ConfigError(f"{flag} {text!r}: a fraction of device memory must be in (0, 1]; use e.g. 0.5 or 20GiB")
         return value * device_memory
     return value * {"GiB": GiB, "GB": 1e9, "MiB": 1024**2, "MB": 1e6}[unit]
 
@@ -52,10 +53,7 @@ def mesh_info(degrees: Any) -> MeshInfo:
 
 
 def param_dtype_for(cfg: JobConfig, device_type: str) -> torch.dtype:
-    name = cfg.training.mixed_precision_param
-    if name == "auto":
-        name = "bfloat16" if device_type == "cuda" else "float32"
-    return _DTYPES[name]
+    return MixedPrecision.from_config(cfg.training, device_type).param_dtype
 
 
 def model_identity(cfg: JobConfig, args: Any) -> dict[str, Any]:
@@ -67,20 +65,25 @@ def model_identity(cfg: JobConfig, args: Any) -> dict[str, Any]:
 def solve(cfg: JobConfig, model: nn.Module, args: Any, info: MeshInfo, solver_mesh: DeviceMesh | None,
           device: torch.device, param_dtype: torch.dtype) -> dict[str, Any]:
     t = cfg.training
-    settings = Settings(
+    batch = (t.batch_size // t.gradient_accumulation_steps, t.seq_len)
+    plan = plan_model(model, batch, param_dtype, device, info, solver_mesh, solver_settings(cfg, model)).data
+    plan["model"] = model_identity(cfg, args)
+    plan["batch"] = {"global_microbatch": list(batch), "param_dtype": str(param_dtype).removeprefix("torch.")}
+    return plan
+
+
+def solver_settings(cfg: JobConfig, model: nn.Module) -> Settings:
+    """What the built-in solver prices a plan of this job with (also for pricing another solver's plan)."""
+    t = cfg.training
+    return Settings(
         hw=Hardware(),
         memory_budget=parse_memory_budget(cfg.compile.autoparallel_memory_budget, device_memory_bytes()),
-        reduce_dtype=_DTYPES[t.mixed_precision_reduce],
+        reduce_dtype=MixedPrecision.from_config(t, "cuda").reduce_dtype,
         param_itemsize=next(model.parameters()).element_size(),
         microbatches=t.gradient_accumulation_steps,
         moe_capacity_factor=cfg.parallelism.moe_capacity_factor,
         expert_parallel_dim=EP_DIM if cfg.parallelism.ep > 1 else None,
     )
-    batch = (t.batch_size // t.gradient_accumulation_steps, t.seq_len)
-    plan = plan_model(model, batch, param_dtype, device, info, solver_mesh, settings).data
-    plan["model"] = model_identity(cfg, args)
-    plan["batch"] = {"global_microbatch": list(batch), "param_dtype": str(param_dtype).removeprefix("torch.")}
-    return plan
 
 
 def check_plan_file(path: str, cfg: JobConfig, degrees: Any) -> dict[str, Any]:
@@ -97,7 +100,7 @@ def check_plan_file(path: str, cfg: JobConfig, degrees: Any) -> dict[str, Any]:
     if plan.get("version") != PLAN_VERSION or "model" not in plan or "mesh" not in plan:
         raise ConfigError(f"compile.autoparallel_plan {path} is not a graph-trainer plan (version {PLAN_VERSION})")
     spec = models.get_spec(cfg.model.name)
-    args = spec.args_for(cfg.model.flavor, cfg.training.seq_len, cfg.model.n_layers)
+    args = spec.job_args(cfg)
     ours = model_identity(cfg, args)
     theirs = plan["model"]
     if (theirs.get("name"), theirs.get("flavor"), theirs.get("arch")) != (ours["name"], ours["flavor"], ours["arch"]):
@@ -132,8 +135,10 @@ def place(model: nn.Module, spec: Any, args: Any, meshes: Any, mp: Any, cfg: Job
         from .meta_adapter import place as meta_place
 
         budget = parse_memory_budget(cfg.compile.autoparallel_memory_budget, device_memory_bytes())
-        return meta_place(model, batch, meshes.dense[info.solver_names] if info.solver_names else meshes.dense, mp, budget)
+        # one GPU: a 1-D mesh of size 1 (on the 3-D one, Meta's program would weigh every layout on every dim)
+        return meta_place(model, batch, meshes.dense[info.solver_names or ("dp_shard",)], mp, budget)
 
+    from ..parallel.compat import is_fake_process_group, is_lead_process
     from .apply import apply_plan
     from .compat import register_cpu_attention_strategies
     from .moe import prepare_model
@@ -147,12 +152,12 @@ def place(model: nn.Module, spec: Any, args: Any, meshes: Any, mp: Any, cfg: Job
         plan = check_plan_file(cfg.compile.autoparallel_plan, cfg, (degrees.dp_replicate, degrees.dp_shard, degrees.tp))
     else:
         box: list[Any] = [None]
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if is_lead_process():
             solver_mesh = meshes.dense[info.solver_names] if info.solver_names else None
             box[0] = solve(cfg, model, args, info, solver_mesh, device, mp.param_dtype)
             # beside metrics.jsonl, so that a run's predicted step can be held against its measured one
             report.write(box[0], cfg.job.dump_folder)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_initialized() and dist.get_world_size() > 1 and not is_fake_process_group():
             dist.broadcast_object_list(box, src=0)
         plan = box[0]
     trace = trace_model(model, batch, mp.param_dtype, device)

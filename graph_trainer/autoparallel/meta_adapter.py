@@ -1,38 +1,47 @@
 """`--compile.autoparallel_impl meta`: placement chosen and applied by Meta's AutoParallel
-(github.com/meta-pytorch/autoparallel) instead of the built-in solver.
+(github.com/meta-pytorch/autoparallel) instead of the built-in solver, and its cost model asked to
+price a plan (`graph-trainer plan --against meta`).
 
 The package is optional and not on the package registries (`META_AUTOPARALLEL_INSTALL` says how to
-install the newest commit that runs on torch 2.11). What this adapter relies on, as read at that
-commit: `AutoParallel(model, input_fn, mesh, mp_policy)` is a context manager that traces the
-meta-device model's forward and backward on fake tensors of `input_fn()`'s shapes; inside it
-`add_parameter_memory_constraint(low, high)` bounds each rank's share of the parameters,
-`add_input_constraints` / `add_output_constraints` fix the placements of the batch and of the output,
-`optimize_placement()` solves its integer program and `apply_placement(solution)` returns a module
-whose parameters are DTensors in the chosen layouts (same FQNs, still on meta: `materialize` fills
-them) and whose forward runs the placed graphs.
+install it; `.ci/run` installs the wheel from `../shared/autoparallel/` when that folder exists).
+What this adapter relies on, as read at commits da99589 (torch 2.11) and a54c252 (torch 2.13):
+`AutoParallel(model, input_fn, mesh, mp_policy)` is a context manager that traces the meta-device
+model's forward and backward on fake tensors of `input_fn()`'s shapes (`build_model_graph`) and
+builds its integer program (`sharding_optimizer`); inside it `add_parameter_memory_constraint(low,
+high)` bounds each rank's share of the parameters, `add_input_constraints` / `add_output_constraints`
+fix the placements of the batch and of the output, `optimize_placement()` solves the program and
+`apply_placement(solution)` returns a module whose parameters are DTensors in the chosen layouts
+(same FQNs, still on meta: `materialize` fills them) and whose forward runs the placed graphs.
+This module is the one place that reaches into the package's internals (its optimizer's costs, its
+device table) and into the descriptors of its traced graph.
 
-What it does not cover: MoE models (its MoE support needs its own model definitions), plan files
-and `graph-trainer plan` (they are the built-in solver's), and our cost model's hardware numbers
-(it uses its own). `check_autoparallel` refuses those combinations up front.
+What it does not cover: MoE models (its MoE support needs its own model definitions) and plan files
+(they are the built-in solver's). `check_autoparallel` refuses those combinations up front.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
-from typing import Any
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..config import ConfigError
 from ..passes.bucketing_compat import META_AUTOPARALLEL_INSTALL
-from .costs import GiB, state_bytes_per_element
+from ..units import GiB
+from .costs import state_bytes_per_element
 from .planner import DP_DIMS
 
 _API = ("add_parameter_memory_constraint", "add_input_constraints", "add_output_constraints", "optimize_placement", "apply_placement")
+PRICED_AS = "H100"
+"""The GPU whose numbers Meta's compute estimate uses where the device cannot name itself (CPU)."""
 
 
 def auto_parallel_class() -> type | None:
@@ -55,10 +64,46 @@ def require() -> type:
     return cls
 
 
-def place(model: nn.Module, batch_shape: tuple[int, int], mesh: DeviceMesh, mp: Any, memory_budget: float) -> nn.Module:
-    """Place a meta-device `model` on `mesh` (the mesh dims of size > 1) with Meta's solver; the batch
-    (global `batch_shape` tokens) is sharded on the data-parallel dims and so is the output."""
+@contextlib.contextmanager
+def _device_named(name: str) -> Iterator[None]:
+    """Meta's compute estimate looks its FLOP/s and bandwidth up by `torch.get_device_module()
+    .get_device_name()`, which `torch.cpu` lacks (AttributeError on every CPU rank): there it gets the
+    table row of `name`, the GPU the plan is priced for."""
+    if hasattr(torch.get_device_module(), "get_device_name"):
+        yield
+        return
+    estimation = importlib.import_module("autoparallel.cost_models.compute_estimation")
+    (limit,) = [d for d in estimation.DEVICE_LIMITS if d.name == name]
+    original = estimation._get_device_limit
+    estimation._get_device_limit = lambda: limit
+    try:
+        yield
+    finally:
+        estimation._get_device_limit = original
+
+
+@dataclass
+class Session:
+    """An entered AutoParallel with its constraints set, and how long tracing and building took."""
+
+    autop: Any
+    trace_s: float
+    build_s: float
+    param_nodes: dict[str, torch.fx.Node]
+
+    @property
+    def optimizer(self) -> Any:
+        return self.autop.sharding_optimizer
+
+
+@contextlib.contextmanager
+def session(model: nn.Module, batch_shape: tuple[int, int], mesh: DeviceMesh, mp: Any, memory_budget: float) -> Iterator[Session]:
+    """Trace `model` (meta device) for a global `batch_shape` token batch and build Meta's program on
+    `mesh` (the mesh dims of size > 1), batch and output sharded on the data-parallel dims."""
+    from torch._functorch._aot_autograd.fx_utils import get_named_param_nodes
     from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from .compat import register_cpu_attention_strategies
 
     auto_parallel = require()
     batch = tuple(Shard(0) if name in DP_DIMS else Replicate() for name in mesh.mesh_dim_names)
@@ -68,13 +113,122 @@ def place(model: nn.Module, batch_shape: tuple[int, int], mesh: DeviceMesh, mp: 
         smallest = math.ceil(state / ranks / GiB * 100) / 100
         raise ConfigError(f"autoparallel: the memory budget {memory_budget / GiB:.2f} GiB per rank is infeasible; set "
                           f"--compile.autoparallel_memory_budget {smallest:.2f}GiB or more, or use more ranks")
+    # the same batch- and head-parallel attention options the built-in solver has on CPU (else Meta
+    # registers the CPU flash kernel replicate-only)
+    register_cpu_attention_strategies()
+    timings: dict[str, float] = {}
+
+    class Timed(auto_parallel):  # type: ignore[misc, valid-type]
+        def build_model_graph(self) -> None:
+            t0 = time.perf_counter()
+            super().build_model_graph()
+            timings["trace_s"] = time.perf_counter() - t0
 
     def input_fn() -> torch.Tensor:
         return torch.zeros(batch_shape, dtype=torch.long, device=mesh.device_type)
 
     policy = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
-    with auto_parallel(model, input_fn, mesh, policy) as autop:
-        autop.add_parameter_memory_constraint(low=None, high=min(1.0, memory_budget / state))
-        autop.add_input_constraints([batch])
-        autop.add_output_constraints([batch])
-        return autop.apply_placement(autop.optimize_placement())
+    with _device_named(PRICED_AS):
+        t0 = time.perf_counter()
+        with Timed(model, input_fn, mesh, policy) as autop:
+            entered_s = time.perf_counter() - t0
+            autop.add_parameter_memory_constraint(low=None, high=min(1.0, memory_budget / state))
+            autop.add_input_constraints([batch])
+            autop.add_output_constraints([batch])
+            yield Session(autop, timings["trace_s"], entered_s - timings["trace_s"], get_named_param_nodes(autop.gm.graph))
+
+
+def place(model: nn.Module, batch_shape: tuple[int, int], mesh: DeviceMesh, mp: Any, memory_budget: float) -> nn.Module:
+    """Place a meta-device `model` on `mesh` with Meta's solver (see `session`)."""
+    with session(model, batch_shape, mesh, mp, memory_budget) as s:
+        placed = s.autop.apply_placement(s.autop.optimize_placement())
+    sharded = [f"{fqn} {b.placements}" for fqn, b in placed.named_buffers()
+               if isinstance(b, DTensor) and not all(p.is_replicate() for p in b.placements)]
+    if sharded:
+        raise ConfigError(f"autoparallel: Meta's solver sharded the buffer {sharded[0]}, which this trainer keeps whole on "
+                          f"every rank; use --compile.autoparallel_impl builtin for this model")
+    # The placed forward fetches parameters with `get_parameter`, which refuses anything but an
+    # nn.Parameter in the slot (the traced step, train_step.swapped_tensors, puts DTensors there for one
+    # call), and calls `.to_local()` on buffers, which `materialize` makes plain tensors. The placed
+    # module's class is its own (made per placement), so only it reads its slots this way.
+    cls = type(placed)
+    cls.get_parameter = _parameter_in_slot
+    ranks = math.prod(n for n, name in zip(mesh.shape, mesh.mesh_dim_names) if name in DP_DIMS)
+    inner = cls.forward
+    cls.forward = lambda module, *args, **kwargs: _MeanOverRanks.apply(inner(module, *args, **kwargs), 1.0 / ranks)
+    cls.get_buffer = lambda module, target: DTensor.from_local(
+        nn.Module.get_buffer(module, target), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return placed
+
+
+class _MeanOverRanks(torch.autograd.Function):
+    """Meta's graph takes the gradient of its batch-sharded output as that of one loss summed over the
+    data-parallel ranks; the trainer's loss is each rank's mean over its own tokens, and the step's
+    loss is the mean of those: so the output's gradient is scaled by 1 / ranks on the way back (what
+    SimpleFSDP's `Partial("avg")` does to the parameter gradients)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def _parameter_in_slot(module: nn.Module, target: str) -> torch.Tensor:
+    owner, _, name = target.rpartition(".")
+    return module.get_submodule(owner)._parameters[name]
+
+
+def spec_of(placements: tuple[Any, ...]) -> list[str]:
+    """DTensor placements as the built-in solver writes layouts: `S<dim>`, `R`, `P`."""
+    return [f"S{p.dim}" if p.is_shard() else "R" if p.is_replicate() else "P" for p in placements]
+
+
+def _placement(spec: str) -> Any:
+    return Shard(int(spec[1:])) if spec.startswith("S") else Replicate()
+
+
+def parameter_specs(s: Session, solution: dict[Any, Any]) -> dict[str, list[str]]:
+    """Each parameter's storage layout in a solution of Meta's program, by FQN."""
+    return {fqn: spec_of(solution[node].output_specs.placements) for fqn, node in s.param_nodes.items()}
+
+
+def price(s: Session, solution: dict[Any, Any]) -> dict[str, float]:
+    """Meta's cost model on a solution of its program: its objective's compute, communication and
+    transition terms (its unit: microseconds; a transition is a count that breaks ties), and the
+    per-rank bytes of parameters, gradients and Adam state in the solution's parameter layouts."""
+    opt = s.optimizer
+    cost = opt._compute_solution_cost(opt._to_concrete_solution(solution))
+    memory = 0.0
+    for node in s.param_nodes.values():
+        spec = solution[node].output_specs
+        shards = math.prod(n for p, n in zip(spec.placements, spec.mesh.shape) if p.is_shard())
+        meta = spec.tensor_meta
+        memory += math.prod(meta.shape) * state_bytes_per_element(meta.dtype.itemsize) / shards
+    return {"compute_s": cost["compute"] * 1e-6, "communication_s": cost["comm"] * 1e-6,
+            "transitions": cost["transition"], "objective_s": cost["total"] * 1e-6, "memory_per_rank_bytes": memory}
+
+
+def solve_pinned(s: Session, specs: dict[str, list[str]]) -> dict[Any, Any]:
+    """Meta's best solution with every parameter stored as `specs` says (another solver's plan) and
+    without its parameter memory row (the other plan answers to its own budget): the price of that
+    plan in Meta's model, where Meta still chooses the activations' layouts. Call after its own solve
+    (which sets the objective). Solved by HiGHS: the same program's optimum, found much faster than
+    by the CBC its own solve uses (NOTES.md)."""
+    import pulp
+
+    opt = s.optimizer
+    opt.remove_constraints([n for n in ("memory_constraint_high", "memory_constraint_low") if n in opt.prob.constraints])
+    for fqn, node in s.param_nodes.items():
+        opt.add_node_constraint(node, tuple(_placement(p) for p in specs[fqn]), constraint_name="pinned_param")
+    opt.prob.solve(pulp.HiGHS(msg=False))
+    if opt.prob.status != pulp.LpStatusOptimal:
+        raise ConfigError(f"plan --against meta: Meta's program with the built-in plan's parameter layouts pinned is "
+                          f"{pulp.LpStatus[opt.prob.status]}; that plan cannot be priced in Meta's model")
+    opt.selected_keys = [key for key, dv in opt.decision_vars.items() if round(dv.var.value() or 0) == 1]
+    for root in list(opt.selected_keys):
+        opt.selected_keys.extend(opt._root_to_linked.get(root, []))
+    return opt._to_orig_solution(opt._extract_and_validate_solution())

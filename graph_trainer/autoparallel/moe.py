@@ -59,9 +59,11 @@ from torch.distributed.tensor import DTensor
 
 from ..parallel.expert_parallel import MoEPlan, StaticDispatchMoE
 from ..parallel.moe_dispatch import DispatchPlan, buffer_rows, dispatch_and_combine, route
-from .costs import CommModel, Hardware, grad_spec, roofline
+from ..hardware import Hardware, roofline_s
+from .costs import CommModel, grad_spec
+from .plan_format import unit_pattern
 from .strategies import Spec, Strategy, evenly_sharded
-from .trace import UnitGraph
+from .trace import ModelTrace, UnitGraph
 
 CHOICES = ("replicate", "tokens", "experts", "hidden")
 _SPECS = {  # per mesh dim: (tokens, scores, expert ids, w1, w2, w3) -> output
@@ -145,6 +147,9 @@ class MoECost:
     compute_s: float
     collectives: tuple[tuple[str, str, float, float], ...]
     """(direction, kind, bytes, seconds) of the all-to-alls inside the op."""
+    saved_bytes: float = 0.0
+    """Kept for backward: the routed rows in and out of the experts, their hidden activations, and
+    with EP the dispatch and combine buffers."""
 
 
 def strategy_cost(node: fx.Node, strategy: Strategy, sizes: Sequence[int], comm: CommModel, hw: Hardware,
@@ -162,7 +167,8 @@ def strategy_cost(node: fx.Node, strategy: Strategy, sizes: Sequence[int], comm:
     flops = 6.0 * local_pairs * dim * hidden / hidden_split
     weight_bytes = sum(w.numel() for w in (w1, w2, w3)) * w1.element_size() / weight_split
     row_bytes = local_pairs * (2 * dim + 3 * hidden / hidden_split) * itemsize
-    compute = 3.0 * roofline(flops, weight_bytes + row_bytes, tokens.dtype, hw)
+    compute = 3.0 * roofline_s(flops, weight_bytes + row_bytes, tokens.dtype, hw)
+    saved = row_bytes
     collectives = []
     for m, c in enumerate(choices):
         if c != "experts":
@@ -170,10 +176,11 @@ def strategy_cost(node: fx.Node, strategy: Strategy, sizes: Sequence[int], comm:
         ep = sizes[m]
         buffer = ep * buffer_rows(local_pairs, ep, capacity_factor) * dim * itemsize
         counts = num_experts * _COUNT_BYTES
+        saved += 2 * buffer
         for direction, kind, nbytes in (("forward", "dispatch", buffer), ("forward", "counts", counts), ("forward", "combine", buffer),
                                         ("backward", "dispatch", buffer), ("backward", "combine", buffer)):
             collectives.append((direction, "all_to_all", nbytes, comm.collective("all_to_all", nbytes, m)))
-    return MoECost(compute, tuple(collectives))
+    return MoECost(compute, tuple(collectives), saved)
 
 
 def module_path(node: fx.Node, unit: UnitGraph) -> str:
@@ -181,6 +188,27 @@ def module_path(node: fx.Node, unit: UnitGraph) -> str:
     placeholders = [n.name for n in unit.gm.graph.nodes if n.op == "placeholder"]
     w1 = unit.param_names[placeholders.index(node.args[3].name)]
     return w1.rsplit(".", 2)[0]
+
+
+def plan_summary(trace: ModelTrace, strategies: list[list[Strategy]], choice: list[int], unit_nodes: dict[int, dict[str, int]],
+                 mesh: Any, capacity_factor: float) -> dict[str, Any]:
+    """What a plan does with the routed experts of each kind of MoE block: per solver mesh dim the
+    choice, the expert-parallel dim and degree, and how many alternatives the solver had."""
+    out: dict[str, Any] = {}
+    for unit in trace.units:
+        for node in unit.gm.graph.nodes:
+            if node.target is not ROUTED_EXPERTS:
+                continue
+            i = unit_nodes[unit.kind][node.name]
+            choices = dict(zip(mesh.solver_names, choice_names(strategies[i][choice[i]])))
+            ep_dims = [n for n, c in choices.items() if c == "experts"]
+            out[f"{unit_pattern(unit)}.{module_path(node, unit)}"] = {
+                "count": len(unit.modules), "choice": choices,
+                "expert_parallel": {"dim": ep_dims[0], "degree": mesh.shape[mesh.names.index(ep_dims[0])]} if ep_dims else None,
+                "capacity_factor": capacity_factor,
+                "alternatives": len(strategies[i]),
+            }
+    return out
 
 
 def ep_dim(spec_of_w1: Sequence[str], names: Sequence[str]) -> str | None:

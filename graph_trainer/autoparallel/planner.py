@@ -3,10 +3,10 @@ and describe the result as data (`Plan`) that report.py prints/saves and apply.p
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
-import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -15,36 +15,21 @@ from typing import Any, Callable
 import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_map
-from torch.utils.flop_counter import flop_registry
 
 from ..config import ConfigError
+from ..flops import node_flops
+from ..hardware import OPTIMIZER_BYTES_PER_ELEMENT, Hardware
+from ..parallel.mesh import DP_DIMS
+from ..units import GiB
 from . import moe, program
-from .costs import (OPTIMIZER_BYTES_PER_ELEMENT, CommModel, Hardware, backward_target, compute_time, grad_spec, mesh_bandwidths,
-                    state_bytes_per_element)
+from .costs import CommModel, backward_target, compute_time, grad_spec, mesh_links, state_bytes_per_element
+from .memory import ActivationPolicy, gathered_params_bytes
+from .plan_format import FOLLOW, Plan, canonical_op, unit_pattern, units_and_params
+from .step_time import UnitTimes, overlapped_step
 from .strategies import NodeStrategies, Spec, Strategy, StrategyEnumerator, candidate_specs, shard_factor, tensor_args, tensor_outputs
-from .trace import ModelTrace, UnitGraph
+from .trace import ModelTrace
 
 aten = torch.ops.aten
-GiB = 1024**3
-DP_DIMS = ("dp_replicate", "dp_shard")
-_ATTENTION = {
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-}
-
-
-def canonical_op(node: fx.Node) -> str | None:
-    """The op's name for matching a plan to a graph traced elsewhere (other device or torch), or
-    None for nodes that only alias an output or change the dtype (they follow their input)."""
-    if node.op != "call_function" or node.target is operator.getitem:
-        return None
-    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-    if name in ("_to_copy", "convert_element_type") and set(node.kwargs) <= {"dtype", "layout", "device"}:
-        return None
-    if name in _ATTENTION:
-        return "attention"
-    return name
 
 
 @dataclass
@@ -79,6 +64,12 @@ class Settings:
     moe_capacity_factor: float = 0.0
     expert_parallel_dim: str | None = None
     """A mesh dim the routed experts must be split over (`--parallelism.ep` pins it); None: the solver chooses."""
+    activations: ActivationPolicy | None = None
+    """The run's activation checkpointing, to count saved activations and gathered parameters in the
+    memory row (memory.py); None counts parameters, gradients and optimizer state only."""
+    pinned_storage: dict[str, Spec] = field(default_factory=dict)
+    """Parameter pattern (as plan.json's `params` keys) -> the storage layout it must have: prices a
+    placement chosen elsewhere under this model (`price_placement`)."""
 
 
 @dataclass
@@ -105,11 +96,19 @@ class _Builder:
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
     inner_comm: dict[int, list[tuple]] = field(default_factory=dict)
     """Node -> per strategy, the collectives its op runs itself (the MoE all-to-alls), as edge_info's entries."""
+    memory_kind: dict[int, str] = field(default_factory=dict)
+    """Node -> what its memory is: `states` (parameter, gradient, Adam), `activations`, `moe_dispatch`."""
+    param_like: set[int] = field(default_factory=set)
+    """Parameters and their one-input derivatives (transposes, views, casts): their collectives are
+    the FSDP-like ones a schedule overlaps with compute (step_time.py)."""
 
-    def add_node(self, strategies: list[Strategy], costs: list[float], label: tuple[int, str], memory: list[float] | None = None) -> int:
+    def add_node(self, strategies: list[Strategy], costs: list[float], label: tuple[int, str], memory: list[float] | None = None,
+                 memory_kind: str = "states") -> int:
         self.nodes.append(program.ProgramNode(costs, memory))
         self.strategies.append(strategies)
         self.labels.append(label)
+        if memory is not None:
+            self.memory_kind[len(self.nodes) - 1] = memory_kind
         return len(self.nodes) - 1
 
     def edge(self, src: int, src_keys: list, dst: int, dst_keys: list, price: Callable[[Any, Any], tuple[float, list]]) -> None:
@@ -195,19 +194,6 @@ def _nbytes(t: torch.Tensor) -> float:
     return float(t.numel() * t.element_size())
 
 
-def _flops(node: fx.Node) -> float:
-    if canonical_op(node) == "attention":
-        # q [B, H, Sq, D] against k/v [B, Hkv, Skv, D]: two matmuls per query head (GQA shares k/v)
-        q, k = node.args[0].meta["val"], node.args[1].meta["val"]
-        b, h, sq, d = q.shape
-        return 4.0 * b * h * sq * k.shape[2] * d
-    fn = flop_registry.get(getattr(node.target, "overloadpacket", None))
-    if fn is None:
-        return 0.0
-    to_val = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731
-    return float(fn(*tree_map(to_val, node.args), **tree_map(to_val, dict(node.kwargs)), out_val=node.meta.get("val")))
-
-
 def _is_float(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
@@ -216,7 +202,7 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
     t0 = time.perf_counter()
     sizes = mesh.sizes
     hw = settings.hw
-    comm = CommModel(sizes, mesh_bandwidths(mesh.shape, mesh.solver_dims, hw), hw.alpha_s)
+    comm = CommModel(sizes, mesh_links(mesh.shape, mesh.solver_dims, hw))
     enum = StrategyEnumerator(solver_mesh, sizes) if solver_mesh is not None else None
     b = _Builder(mesh, settings, comm, enum)
     one: Spec = tuple("R" for _ in sizes)
@@ -233,8 +219,13 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
     placeholder_bytes: dict[tuple[int, int], float] = {}
     outputs: dict[int, _Value] = {}
     unit_nodes: dict[int, dict[str, int]] = {}
+    policy = settings.activations
+    unit_param_bytes: list[float] = []
     for unit in trace.units:
         mult = calls_of[unit.kind]
+        saved, kept_inputs = policy.saved_copies(unit.modules) if policy else (0, 0)
+        recomputed = policy.recomputed(unit.modules) if policy else 0
+        unit_param_bytes.append(0.0)
         ids: dict[str, int] = {}
         values: dict[tuple[str, int], _Value] = {}
         uses: dict[tuple[int, int], list[tuple[int, int, float]]] = defaultdict(list)
@@ -246,11 +237,15 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
                 val = node.meta["val"]
                 if ph < n_p:
                     cands = candidate_specs(val.shape, sizes) if sizes else [()]
+                    pinned = settings.pinned_storage.get(f"{unit_pattern(unit)}.{unit.param_names[ph]}")
+                    if pinned is not None:
+                        cands = [tuple(pinned)]
                     state = state_bytes_per_element(settings.param_itemsize)
                     mem = [mult * val.numel() * state / shard_factor(c, sizes) for c in cands]
-                    opt = [mult * val.numel() * OPTIMIZER_BYTES_PER_ELEMENT / shard_factor(c, sizes) /
-                           (hw.efficiency * hw.hbm_bytes_per_s) for c in cands]
+                    opt = [mult * val.numel() * OPTIMIZER_BYTES_PER_ELEMENT / shard_factor(c, sizes) / hw.mem_bw for c in cands]
+                    unit_param_bytes[-1] += _nbytes(val)
                     ids[node.name] = b.add_node([Strategy((c,), ()) for c in cands], opt, (unit.kind, node.name), mem)
+                    b.param_like.add(ids[node.name])
                     grad = val.numel() * reduce_itemsize
                 elif ph < n_p + n_b:
                     ids[node.name] = b.add_node([Strategy((one,), ())], [0.0], (unit.kind, node.name))
@@ -258,7 +253,10 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
                 else:
                     j = ph - n_p - n_b
                     cands = candidate_specs(val.shape, sizes) if sizes else [()]
-                    ids[node.name] = b.add_node([Strategy((c,), (c,)) for c in cands], [0.0] * len(cands), (unit.kind, node.name))
+                    # a recomputed block keeps its input for the recomputation
+                    kept = [kept_inputs * _nbytes(val) / shard_factor(c, sizes) for c in cands] if kept_inputs and _is_float(val) else None
+                    ids[node.name] = b.add_node([Strategy((c,), (c,)) for c in cands], [0.0] * len(cands), (unit.kind, node.name),
+                                                kept, "activations")
                     placeholders[(unit.kind, j)] = ids[node.name]
                     placeholder_bytes[(unit.kind, j)] = _nbytes(val)
                     grad = _nbytes(val) if unit_requires_grad[(unit.kind, j)] and _is_float(val) else None
@@ -276,8 +274,11 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
                 out_vals = [val] if isinstance(val, torch.Tensor) else [val[i] for i in tensor_outputs(node)]
                 needs_grad = any(v.grad_nbytes is not None for v in arg_values)
                 inner = None
+                memory, memory_kind = None, "activations"
                 if node.target is moe.ROUTED_EXPERTS:
-                    strategies, costs, inner = _routed_experts(node, unit.modules[0], mult, b, settings)
+                    strategies, costs, inner, moe_saved = _routed_experts(node, unit.modules[0], mult, b, settings)
+                    if policy is not None:
+                        memory, memory_kind = [saved * m for m in moe_saved], "moe_dispatch"
                 else:
                     if enum is not None:
                         ns = enum.enumerate(node, cands)
@@ -288,15 +289,22 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
                         strategies = _with_partial_grads(strategies)
                     if ns.fallback:
                         b.fallbacks.append((str(node.target), unit.node_module.get(node.name, unit.modules[0])))
-                    flops = _flops(node)
+                    flops = node_flops(node)
                     dtype = next((v.dtype for v in out_vals if v.is_floating_point()), torch.float32)
                     in_b = [v.nbytes for v in arg_values]
                     out_b = [_nbytes(v) for v in out_vals]
-                    if getattr(node.target, "is_view", False) or canonical_op(node) in _FOLLOW:
+                    if getattr(node.target, "is_view", False) or canonical_op(node) in FOLLOW:
                         costs = [0.0] * len(strategies)  # a view moves no data
                     else:
-                        costs = [mult * compute_time(flops, in_b, out_b, s, sizes, dtype, hw, needs_grad) for s in strategies]
-                ids[node.name] = b.add_node(strategies, costs, (unit.kind, node.name))
+                        # a recomputed block or op runs its forward (a third of forward + backward with
+                        # FLOPs, else a half) once more
+                        op_recomputed = policy is not None and needs_grad and policy.recomputes_op(unit.modules, bool(flops))
+                        runs = mult + (recomputed / 3 if needs_grad else 0) + (mult / 2 if op_recomputed else 0)
+                        costs = [runs * compute_time(flops, in_b, out_b, s, sizes, dtype, hw, needs_grad) for s in strategies]
+                        if needs_grad and saved and not op_recomputed:
+                            memory = [saved * sum(ob / shard_factor(o, sizes) for ob, o, v in zip(out_b, s.outs, out_vals) if _is_float(v))
+                                      for s in strategies]
+                ids[node.name] = b.add_node(strategies, costs, (unit.kind, node.name), memory, memory_kind)
                 if inner is not None:
                     b.inner_comm[ids[node.name]] = inner
                 for i, v in enumerate(arg_values):
@@ -304,6 +312,8 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
                     by_key[(v.node, v.out)] = v
                 # a parameter's transpose/view/cast is still that parameter: its collectives bucket alike
                 share = arg_values[0].latency_share if len(arg_values) == 1 else 1.0
+                if len(arg_values) == 1 and arg_values[0].node in b.param_like:
+                    b.param_like.add(ids[node.name])
                 for k, pos in enumerate(tensor_outputs(node)):
                     ov = out_vals[k]
                     grad = _nbytes(ov) if needs_grad and _is_float(ov) else None
@@ -339,24 +349,46 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
     sink = b.add_node([Strategy((), (batch,))], [0.0], (-1, "output"))
     b.connect(final, [(sink, 0, 1)])
 
-    param_nodes = [i for i, n in enumerate(b.nodes) if n.memory is not None]
-    min_memory = sum(min(b.nodes[i].memory) for i in param_nodes)
-    if min_memory > settings.memory_budget:
-        raise ConfigError(
-            f"autoparallel: the memory budget {settings.memory_budget / GiB:.2f} GiB per rank is infeasible; parameters + "
-            f"gradients + optimizer state need at least {math.ceil(min_memory / GiB * 100) / 100:.2f} GiB per rank on this mesh: "
-            f"set --compile.autoparallel_memory_budget {math.ceil(min_memory / GiB * 100) / 100:.2f}GiB or more, or use more ranks"
-        )
+    gathered = gathered_params_bytes(unit_param_bytes, mesh.names, mesh.shape) if policy else 0.0
+    least = defaultdict(float, {"gathered_params": gathered})
+    for i, kind in b.memory_kind.items():
+        least[kind] += min(b.nodes[i].memory)
+    _check_fits(least, settings)
     t_build = time.perf_counter() - t0
     try:
-        sol = program.solve(b.nodes, b.edges, settings.memory_budget)
+        sol = program.solve(b.nodes, b.edges, settings.memory_budget - gathered)
     except program.Infeasible:
-        raise ConfigError(f"autoparallel: no plan fits the memory budget of {settings.memory_budget / GiB:.2f} GiB per rank") from None
-    return _make_plan(trace, b, sol, unit_nodes, t_build, settings)
+        raise ConfigError(f"autoparallel: no plan fits the memory budget of {settings.memory_budget / GiB:.2f} GiB per rank "
+                          f"(the layouts that need the least memory of each tensor do not combine); raise "
+                          f"--compile.autoparallel_memory_budget or use more ranks") from None
+    return _make_plan(trace, b, sol, unit_nodes, t_build, settings, gathered)
 
 
-def _routed_experts(node: fx.Node, where: str, mult: float, b: _Builder, settings: Settings) -> tuple[list[Strategy], list[float], list[list]]:
-    """The MoE op's declared strategies (moe.py), their costs, and the all-to-alls each one runs."""
+_MEMORY_WORDS = {"states": "parameters + gradients + optimizer state", "activations": "activations saved for backward",
+                 "moe_dispatch": "MoE dispatch buffers", "gathered_params": "gathered parameters"}
+
+
+def _check_fits(least: dict[str, float], settings: Settings) -> None:
+    """Refuse, in one line with what it needs, a job whose smallest possible memory exceeds the budget."""
+    total = sum(least.values())
+    if total <= settings.memory_budget:
+        return
+    need = math.ceil(total / GiB * 100) / 100
+    parts = " + ".join(f"{_MEMORY_WORDS[k]} {v / GiB:.2f}" for k, v in least.items() if v)
+    policy = settings.activations
+    hint = ", or --activation_checkpoint.mode full" if policy is not None and policy.mode != "full" and least["activations"] else ""
+    ac = f" with activation checkpointing '{policy.mode}'" if policy is not None else ""
+    raise ConfigError(
+        f"autoparallel: the memory budget {settings.memory_budget / GiB:.2f} GiB per rank is infeasible; {parts} GiB per rank on "
+        f"this mesh{ac} need at least {need:.2f} GiB: set --compile.autoparallel_memory_budget {need:.2f}GiB or more, "
+        f"use more ranks{hint}"
+    )
+
+
+def _routed_experts(node: fx.Node, where: str, mult: float, b: _Builder, settings: Settings
+                    ) -> tuple[list[Strategy], list[float], list[list], list[float]]:
+    """The MoE op's declared strategies (moe.py), their costs, the all-to-alls each one runs, and
+    the bytes each keeps for backward per call."""
     sizes = b.mesh.sizes
     strategies = moe.declared_strategies(node, sizes, b.mesh.solver_names, settings.expert_parallel_dim)
     if not strategies:
@@ -367,7 +399,7 @@ def _routed_experts(node: fx.Node, where: str, mult: float, b: _Builder, setting
     priced = [moe.strategy_cost(node, s, sizes, b.comm, settings.hw, settings.moe_capacity_factor) for s in strategies]
     costs = [mult * (c.compute_s + sum(t for *_, t in c.collectives)) for c in priced]
     inner = [[(d, kind, mult, mult * nbytes, mult * t) for d, kind, nbytes, t in c.collectives] for c in priced]
-    return strategies, costs, inner
+    return strategies, costs, inner, [c.saved_bytes for c in priced]
 
 
 _PARTIAL_GRAD_THROUGH = {"t", "transpose", "view", "_unsafe_view", "alias", "permute", "unsqueeze", "squeeze",
@@ -407,47 +439,52 @@ def _reachable(s: Strategy, cands: list[list[Spec]]) -> bool:
     return True
 
 
-@dataclass
-class Plan:
-    data: dict[str, Any]
-
-
-def _make_plan(trace: ModelTrace, b: _Builder, sol: program.Solution, unit_nodes: dict[int, dict[str, int]], t_build: float, settings: Settings) -> Plan:
+def _make_plan(trace: ModelTrace, b: _Builder, sol: program.Solution, unit_nodes: dict[int, dict[str, int]], t_build: float,
+               settings: Settings, gathered: float) -> Plan:
     chosen = [b.strategies[i][c] for i, c in enumerate(sol.choice)]
     micro = settings.microbatches
-    units = []
-    params: dict[str, dict[str, Any]] = {}
-    for unit in trace.units:
-        ids = unit_nodes[unit.kind]
-        n_p, n_b = len(unit.param_names), len(unit.buffer_names)
-        phs = [n for n in unit.gm.graph.nodes if n.op == "placeholder"]
-        storage = {name: list(chosen[ids[n.name]].outs[0]) for name, n in zip(unit.param_names, phs[:n_p])}
-        inputs = [list(chosen[ids[n.name]].outs[0]) for n in phs[n_p + n_b :]]
-        nodes = []
-        for node in unit.gm.graph.nodes:
-            op = canonical_op(node)
-            if op is None:
-                continue
-            s = chosen[ids[node.name]]
-            nodes.append({"op": op, "name": node.name, "ins": [list(x) for x in s.ins], "outs": [list(x) for x in s.outs]})
-        units.append({"modules": unit.modules, "inputs": inputs, "params": storage, "nodes": nodes})
-        for name, ph in zip(unit.param_names, phs[:n_p]):
-            compute = _compute_spec(ph, chosen, ids)
-            pattern = f"{_unit_pattern(unit)}.{name}"
-            params[pattern] = {"shape": list(ph.meta["val"].shape), "count": len(unit.modules),
-                               "storage": storage[name], "compute": compute}
+    units, params = units_and_params(trace, chosen, unit_nodes)
+    calls_of: dict[int, int] = defaultdict(int)
+    for c in trace.calls:
+        calls_of[c.kind] += 1
+    per_kind = {k: UnitTimes() for k in calls_of}
+    param_nodes = {i for i, kind in b.memory_kind.items() if kind == "states"}
+    optimizer = sum(b.nodes[i].costs[sol.choice[i]] for i in param_nodes)
+    for i, c in enumerate(sol.choice):
+        kind = b.labels[i][0]
+        if kind >= 0 and i not in param_nodes:
+            per_kind[kind].compute += b.nodes[i].costs[c] / calls_of[kind]
+
     comm: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0, "time_s": 0.0})
-    chosen_colls = [table[(src_keys[sol.choice[edge.src]], dst_keys[sol.choice[edge.dst]])][1]
-                    for edge, (src_keys, dst_keys, table) in zip(b.edges, b.edge_info)]
-    chosen_colls += [per_strategy[sol.choice[i]] for i, per_strategy in b.inner_comm.items()]
-    for colls in chosen_colls:
+
+    def add(colls: list, src: int, dst: int) -> None:
         for direction, kind, count, nbytes, t in colls:
             entry = comm[f"{kind} ({direction})"]
             entry["count"] += micro * count
             entry["bytes"] += micro * nbytes
             entry["time_s"] += micro * t
-    memory = sum(b.nodes[i].memory[c] for i, c in enumerate(sol.choice) if b.nodes[i].memory is not None)
-    comm_time = sum(v["time_s"] for v in comm.values())
+            owner = b.labels[src][0] if src in b.param_like or b.labels[dst][0] < 0 else b.labels[dst][0]
+            if owner < 0:
+                continue
+            u, share = per_kind[owner], t / calls_of[owner]
+            if src in b.param_like:
+                if direction == "forward":
+                    u.param_forward += share
+                else:
+                    u.param_backward += share
+            elif direction == "forward":
+                u.serial_forward += share
+            else:
+                u.serial_backward += share
+
+    for edge, (src_keys, dst_keys, table) in zip(b.edges, b.edge_info):
+        add(table[(src_keys[sol.choice[edge.src]], dst_keys[sol.choice[edge.dst]])][1], edge.src, edge.dst)
+    for i, per_strategy in b.inner_comm.items():
+        add(per_strategy[sol.choice[i]], i, i)
+    timeline = overlapped_step([c.kind for c in trace.calls], per_kind, optimizer, settings.hw.launch_s)
+    memory = defaultdict(float, {"gathered_params": gathered})
+    for i, kind in b.memory_kind.items():
+        memory[kind] += b.nodes[i].memory[sol.choice[i]]
     compute = sum(b.nodes[i].costs[c] for i, c in enumerate(sol.choice)) * micro
     data = {
         "version": 1,
@@ -456,65 +493,22 @@ def _make_plan(trace: ModelTrace, b: _Builder, sol: program.Solution, unit_nodes
         "units": units,
         "params": params,
         "fallbacks": sorted({f"{op} in {mod}" for op, mod in b.fallbacks}),
-        "moe": _moe_summary(trace, b, sol, unit_nodes, settings),
+        "moe": moe.plan_summary(trace, b.strategies, sol.choice, unit_nodes, b.mesh, settings.moe_capacity_factor),
         "predicted": {
-            "compute_and_optimizer_s": compute, "communication_s": comm_time,
+            "hardware": settings.hw.describe(),
+            "compute_and_optimizer_s": compute, "communication_s": sum(v["time_s"] for v in comm.values()),
+            "step_s": timeline.step_s * micro, "exposed_communication_s": timeline.step_s * micro - compute,
             "communication": {k: dict(v) for k, v in sorted(comm.items())},
-            "memory_per_rank_bytes": memory, "memory_budget_bytes": settings.memory_budget,
+            "memory_per_rank_bytes": sum(memory.values()), "memory_bytes": dict(memory),
+            "memory_budget_bytes": settings.memory_budget,
+            "activation_checkpoint": settings.activations.mode if settings.activations else None,
             "objective_s": sol.objective * micro,
         },
-        "program": {"variables": sol.variables, "constraints": sol.constraints, "method": sol.method,
+        "program": {"variables": sol.variables, "constraints": sol.constraints, "method": sol.method, "status": sol.status,
                     "lp_integral": sol.lp_integral, "build_s": t_build + sol.build_s, "solve_s": sol.solve_s,
                     "strategy_queries": b.enum.calls if b.enum else 0, "strategy_cache_hits": b.enum.hits if b.enum else 0},
     }
     return Plan(data)
-
-
-def _unit_pattern(unit: UnitGraph) -> str:
-    """`layers.*` for a unit repeated over the blocks of a list, its own FQN otherwise."""
-    return re.sub(r"\.\d+$", ".*", unit.modules[0]) if len(unit.modules) > 1 else unit.modules[0]
-
-
-def _moe_summary(trace: ModelTrace, b: _Builder, sol: program.Solution, unit_nodes: dict[int, dict[str, int]],
-                 settings: Settings) -> dict[str, Any]:
-    """What the plan does with the routed experts of each kind of MoE block (moe.py's choices)."""
-    out: dict[str, Any] = {}
-    for unit in trace.units:
-        for node in unit.gm.graph.nodes:
-            if node.target is not moe.ROUTED_EXPERTS:
-                continue
-            i = unit_nodes[unit.kind][node.name]
-            strategy = b.strategies[i][sol.choice[i]]
-            pattern = f"{_unit_pattern(unit)}.{moe.module_path(node, unit)}"
-            choices = dict(zip(b.mesh.solver_names, moe.choice_names(strategy)))
-            ep_dims = [n for n, c in choices.items() if c == "experts"]
-            out[pattern] = {
-                "count": len(unit.modules), "choice": choices,
-                "expert_parallel": {"dim": ep_dims[0], "degree": b.mesh.shape[b.mesh.names.index(ep_dims[0])]} if ep_dims else None,
-                "capacity_factor": settings.moe_capacity_factor,
-                "alternatives": len(b.strategies[i]),
-            }
-    return out
-
-
-_FOLLOW = {"t", "transpose", "view", "_unsafe_view", "alias", "detach", "permute", "expand", "unsqueeze", "squeeze"}
-
-
-def _compute_spec(ph: fx.Node, chosen: list[Strategy], ids: dict[str, int]) -> list[str]:
-    """The layout a parameter is used in by its first real op, seen through transposes/views/casts."""
-    node, swapped = ph, False
-    while len(node.users) == 1:
-        user = next(iter(node.users))
-        op = canonical_op(user)
-        if op is not None and op not in _FOLLOW:
-            spec = chosen[ids[user.name]].ins[tensor_args(user).index(node)]
-            if swapped:
-                spec = tuple({"S0": "S1", "S1": "S0"}.get(p, p) for p in spec)
-            return list(spec)
-        if op in ("t", "transpose"):
-            swapped = not swapped
-        node = user
-    return list(chosen[ids[ph.name]].outs[0])
 
 
 def plan_model(model: torch.nn.Module, batch_shape: tuple[int, int], param_dtype: torch.dtype, device: torch.device,
@@ -529,3 +523,12 @@ def plan_model(model: torch.nn.Module, batch_shape: tuple[int, int], param_dtype
     plan.data["program"]["trace_s"] = t1 - t0
     plan.data["program"]["total_s"] = time.perf_counter() - t0
     return plan
+
+
+def price_placement(model: torch.nn.Module, batch_shape: tuple[int, int], param_dtype: torch.dtype, device: torch.device,
+                    mesh: MeshInfo, solver_mesh: DeviceMesh | None, settings: Settings, storage: dict[str, Spec]) -> Plan:
+    """A placement chosen elsewhere (e.g. by Meta's AutoParallel), priced under this model: each
+    parameter pattern's storage layout is pinned to `storage` and the rest (compute layouts, op
+    strategies) is what this model would run it with. The plan's `predicted` is the price."""
+    pinned = dataclasses.replace(settings, pinned_storage={**settings.pinned_storage, **storage})
+    return plan_model(model, batch_shape, param_dtype, device, mesh, solver_mesh, pinned)

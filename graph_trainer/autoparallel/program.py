@@ -8,8 +8,14 @@ strategy pair, an edge gets one variable y[e,o,k] per *layout* pair with margina
 the local-polytope formulation whose LP relaxation is integral in practice (AutoParallel's finding;
 see NOTES.md). An edge whose one side has a single layout folds its cost into the other side's x.
 Layout pairs that cannot be redistributed (to Partial) get no variable, so they cannot be chosen.
-The memory budget is one row over the parameters' x. The LP is solved first; if some x is
-fractional, the same program is solved as a MIP.
+The memory budget is one row over the nodes' x that hold memory. The LP is solved first; if some
+x is fractional, the same program is solved as a MIP.
+
+HiGHS's answer is used only when it is proven: the LP optimal, or the MIP optimal or stopped at the
+time limit with an integer solution within `MIP_GAP` of its bound (the plan then says so in
+`method`). Infeasible is `Infeasible` (the caller knows the memory the plan needs); any other
+status (time limit without such a solution, unbounded, numerical trouble) is a `SolverError`,
+never a choice read off partial values.
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ import highspy
 import numpy as np
 
 from ..config import ConfigError
+
+
+MIP_GAP = 0.01
+"""Relative gap between a time-limited MIP's solution and its bound that we accept as a plan."""
 
 
 @dataclass
@@ -50,6 +60,7 @@ class Solution:
     solve_s: float
     lp_integral: bool
     method: str
+    status: str = "optimal"
 
 
 @dataclass
@@ -150,27 +161,52 @@ def solve(nodes: list[ProgramNode], edges: list[ProgramEdge], memory_budget: flo
     h.addRows(len(b.rows), np.asarray(lower), np.asarray(upper), len(index), np.asarray(starts, dtype=np.int32),
               np.asarray(index, dtype=np.int32), np.asarray(value, dtype=np.float64))
     t1 = time.perf_counter()
-    h.run()
-    status = h.getModelStatus()
-    if status == highspy.HighsModelStatus.kInfeasible:
-        raise Infeasible()
+    _run(h, "LP relaxation", time_limit_s)
     values = np.asarray(h.getSolution().col_value)
     xcols = [c for xs in x if xs != [-1] for c in xs]
-    integral = bool(np.all(np.minimum(np.abs(values[xcols]), np.abs(1 - values[xcols])) < 1e-6))
-    method = "LP"
+    integral = _integral(values[xcols])
+    method, status = "LP", "optimal"
     if not integral:
         h.changeColsIntegrality(len(xcols), np.asarray(xcols, dtype=np.int32),
                                 np.asarray([highspy.HighsVarType.kInteger] * len(xcols)))
-        h.run()
-        if h.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
-            raise Infeasible()
+        status = _run(h, "MIP", time_limit_s)
         values = np.asarray(h.getSolution().col_value)
-        method = "MIP"
+        method = "MIP" if status == "optimal" else f"MIP ({status})"
+        if not _integral(values[xcols]):
+            raise SolverError(f"autoparallel: HiGHS's MIP solution is not integral ({status}); the plan cannot be read from it")
     t2 = time.perf_counter()
     choice = [0 if xs == [-1] else int(np.argmax(values[xs])) for xs in x]
     objective = h.getInfo().objective_function_value + constant
-    return Solution(choice, objective, n_cols, len(b.rows), t1 - t0, t2 - t1, integral, method)
+    return Solution(choice, objective, n_cols, len(b.rows), t1 - t0, t2 - t1, integral, method, status)
+
+
+def _integral(values: np.ndarray) -> bool:
+    return bool(np.all(np.minimum(np.abs(values), np.abs(1 - values)) < 1e-6))
+
+
+def _run(h: highspy.Highs, what: str, time_limit_s: float) -> str:
+    """Run HiGHS and return how its answer is proven ("optimal", or the MIP's gap at the time
+    limit); raise on anything else."""
+    h.run()
+    status = h.getModelStatus()
+    if status == highspy.HighsModelStatus.kOptimal:
+        return "optimal"
+    # every variable is bounded to [0, 1], so "unbounded or infeasible" can only be infeasible
+    if status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
+        raise Infeasible()
+    info = h.getInfo()
+    if (what == "MIP" and status == highspy.HighsModelStatus.kTimeLimit
+            and info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible and info.mip_gap <= MIP_GAP):
+        return f"time limit, within {info.mip_gap:.2%} of optimal"
+    raise SolverError(
+        f"autoparallel: HiGHS stopped the {what} with status '{h.modelStatusToString(status)}' after at most {time_limit_s:g} s "
+        f"and no plan proven within {MIP_GAP:.0%} of optimal; plan a smaller mesh, or reuse a plan with --compile.autoparallel_plan"
+    )
 
 
 class Infeasible(Exception):
     """The memory row cannot be met; the caller knows the smallest budget that can."""
+
+
+class SolverError(ConfigError):
+    """HiGHS returned no proven plan: one line for the user, exit code 2."""

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-GiB = 1024**3
+from ..units import GiB
 
 
 def _placement(p: str) -> str:
@@ -45,15 +45,22 @@ def render(plan: dict[str, Any]) -> str:
     lines += ["", "predicted per step and rank:"]
     for kind, v in pred["communication"].items():
         lines.append(f"  {kind:32s} {int(v['count']):6d} x  {v['bytes'] / GiB:9.3f} GiB  {v['time_s'] * 1e3:9.3f} ms")
+    hw = pred["hardware"]
+    memory = ", ".join(f"{k.replace('_', ' ')} {v / GiB:.2f}" for k, v in pred["memory_bytes"].items() if v)
     lines += [
-        f"  {'communication (serial)':32s} {'':6s}    {'':9s}     {pred['communication_s'] * 1e3:9.3f} ms",
+        f"  {'communication (all, in series)':32s} {'':6s}    {'':9s}     {pred['communication_s'] * 1e3:9.3f} ms",
         f"  {'compute + optimizer':32s} {'':6s}    {'':9s}     {pred['compute_and_optimizer_s'] * 1e3:9.3f} ms",
-        f"  memory (params + grads + Adam): {pred['memory_per_rank_bytes'] / GiB:.2f} GiB of a {pred['memory_budget_bytes'] / GiB:.2f} GiB budget",
+        f"  {'exposed communication':32s} {'':6s}    {'':9s}     {pred['exposed_communication_s'] * 1e3:9.3f} ms",
+        f"  {'step (overlapped)':32s} {'':6s}    {'':9s}     {pred['step_s'] * 1e3:9.3f} ms",
+        f"  on {hw['hardware']} (links {hw['intra_node_GBps']:g} GB/s in a node, {hw['inter_node_GBps']:g} GB/s across nodes)",
+        f"  memory: {pred['memory_per_rank_bytes'] / GiB:.2f} GiB ({memory} GiB) of a {pred['memory_budget_bytes'] / GiB:.2f} GiB budget"
+        + (f"; activations counted with activation checkpointing '{pred['activation_checkpoint']}'" if pred["activation_checkpoint"]
+           else "; activations not counted"),
     ]
     prog = plan["program"]
     lines += [
         "",
-        f"program: {prog['variables']} variables, {prog['constraints']} constraints; solved by {prog['method']} "
+        f"program: {prog['variables']} variables, {prog['constraints']} constraints; solved by {prog['method']} ({prog['status']}) "
         f"(LP relaxation integral: {prog['lp_integral']}); {prog['strategy_queries']} strategy queries "
         f"({prog['strategy_cache_hits']} cached)",
         f"time: trace {prog['trace_s']:.2f} s + build {prog['build_s']:.2f} s + solve {prog['solve_s']:.2f} s = {prog['total_s']:.2f} s",

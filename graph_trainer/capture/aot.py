@@ -27,7 +27,10 @@ from torch.fx import traceback as fx_traceback
 from graph_trainer.backends import get_backend
 
 from ..graph_dump import GraphDumper
+from ..parallel.compat import is_lead_process
 from ..models import traceable_attention
+from ..passes.memory_policy import activation_passes
+from ..passes.reshard import parameter_passes
 from ..passes.registry import PassContext, Stage, apply_passes
 from ..train_step import LossFn
 from . import CaptureContext, register_capture
@@ -84,6 +87,8 @@ def pass_context(ctx: CaptureContext, gm: fx.GraphModule, example_inputs: Sequen
         num_params=len(param_fqns),
         num_buffers=num_buffers,
         param_fqns=param_fqns,
+        # One report across the joint, forward and backward passes of a capture.
+        report=ctx.stats.setdefault("pass_reports", {}),
     )
 
 
@@ -120,9 +125,9 @@ class StageCompiler:
 
 def dump_folder(ctx: CaptureContext, retrace: int) -> str | None:
     """Where a capture's graphs go: `graphs/` for the first, `graphs/retrace_N/` for the Nth
-    recapture; None when dumps are off and on ranks other than 0."""
+    recapture; None when dumps are off and on ranks other than 0 (a fake run's one process writes them)."""
     cfg = ctx.cfg
-    if not cfg.compile.dump_graphs or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+    if not cfg.compile.dump_graphs or not is_lead_process():
         return None
     return f"{cfg.job.dump_folder}/graphs" + (f"/retrace_{retrace}" if retrace else "")
 
@@ -134,7 +139,7 @@ class AotStep:
     def __init__(self, ctx: CaptureContext):
         self.ctx = ctx
         self.module = LossModule(ctx.model, ctx.loss_fn, ctx.loss_scale)
-        self.pass_names = get_backend(ctx.cfg.compile.inductor_compilation).pass_names(ctx.cfg.compile.passes)
+        self.pass_names = parameter_passes(ctx.cfg) + activation_passes(ctx.cfg) + get_backend(ctx.cfg.compile.inductor_compilation).pass_names(ctx.cfg.compile.passes)
         self.graphs: dict[tuple, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
         ctx.stats.setdefault("retraces", 0)
 
@@ -164,6 +169,8 @@ class AotStep:
         # Export and partitioning count as tracing; the joint passes and the stage compilers as compiling.
         stage_s = forward.seconds + backward.seconds
         self.ctx.stats.update(trace_s=(t1 - t0) + (t3 - t2 - stage_s), compile_s=(t2 - t1) + stage_s, graph=dumper.stages)
+        for figures in self.ctx.stats["pass_reports"].values():
+            self.ctx.stats.update(figures)
         return lambda inputs, labels: compiled(*state, inputs, labels)
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ try:
         aot_compile_joint_with_descriptors,
         aot_export_joint_with_descriptors,
     )
+    from torch._functorch import config as functorch_config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 except ImportError as e:  # pragma: no cover  (only on a torch outside the supported range)
     raise ImportError(
@@ -54,7 +55,11 @@ def min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outpu
     all tensors_saved_with_vc_check to be Tensors"). Such tensors are moved in front of the opaque
     objects, in the forward outputs and in the backward inputs alike; otherwise nothing changes.
     """
-    fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    # Under an activation memory budget the partitioner sizes every saved value; the opaque device
+    # meshes hold no tensors (torch 2.13 refuses to size them unless told they are empty).
+    options = {"unsafe_treat_script_objects_as_zero_size": True} if hasattr(functorch_config, "unsafe_treat_script_objects_as_zero_size") else {}
+    with functorch_config.patch(**options):
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
     output = fw.graph.find_nodes(op="output")[0]
     saved = list(output.args[0][num_fwd_outputs:])
     first = next((i for i, n in enumerate(saved) if _is_opaque(n)), None)

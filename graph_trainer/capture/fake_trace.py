@@ -10,12 +10,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import fx
 
 from .. import models
 from ..config import JobConfig
 from ..parallel import apply_activation_checkpointing
+from ..parallel.compat import init_fake_process_group
 from ..parallel.mesh import Meshes, build_meshes, resolve_degrees
 from ..train_step import FunctionalTrainStep, named_buffers
 from .fx_trace import trace_train_step
@@ -29,31 +29,23 @@ class FakeTrace:
     trace_s: float
 
 
-def init_fake_process_group(world_size: int) -> None:
-    """One process standing in for rank 0 of `world_size` ranks; collectives are never executed."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-
-
 def trace_on_fake_mesh(cfg: JobConfig, world_size: int) -> FakeTrace:
     """Place the model as `train` would (manual or solver plan), then trace one microbatch on fake tensors."""
     from ..placement import place_model
-    from ..trainer import cross_entropy, mixed_precision
+    from ..losses import cross_entropy
+    from ..parallel.simple_fsdp import MixedPrecision
 
     init_fake_process_group(world_size)
     p, t = cfg.parallelism, cfg.training
     degrees = resolve_degrees(p.dp_replicate, p.dp_shard, p.tp, p.ep, world_size)
     meshes = build_meshes(degrees, "cpu")
     spec = models.get_spec(cfg.model.name)
-    args = spec.args_for(cfg.model.flavor, t.seq_len, cfg.model.n_layers)
+    args = spec.job_args(cfg)
     device = torch.device("cpu")
     # Plans are for the GPU: "auto" precision resolves as it would there.
-    mp = mixed_precision(cfg, torch.device("cuda"))
+    mp = MixedPrecision.from_config(cfg.training, "cuda")
     model = place_model(models.build_on_meta(spec, args, "cpu"), spec, args, meshes, mp, cfg)
-    apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option, cfg.compile.mode)
     local_batch = t.batch_size // (degrees.dp * t.gradient_accumulation_steps)
     step = FunctionalTrainStep(model, cross_entropy, 1.0 / t.gradient_accumulation_steps)
     params = [q.to_local() for q in model.parameters() if q.requires_grad]

@@ -2,7 +2,8 @@
 
 The graph's inputs are the local parameter shards, the buffers and the batch; its outputs are the
 loss and one gradient shard per parameter. It is traced once on fake tensors (no memory, no compute),
-handed to the configured backend, and run every step. The optimizer stays outside. A batch of another
+handed to the configured backend, and run every step. The optimizer stays outside, unless
+`--compile.optimizer_in_graph` (capture/optimizer_in_graph.py) traces it in. A batch of another
 shape retraces (counted in `stats["retraces"]`) instead of reusing a graph specialised to old shapes.
 """
 
@@ -22,7 +23,10 @@ from graph_trainer.backends import get_backend
 
 from ..graph_dump import GraphDumper
 from ..models import traceable_attention
-from ..passes.registry import PassContext
+from ..parallel.compat import is_lead_process
+from ..passes.memory_policy import activation_passes
+from ..passes.reshard import parameter_passes
+from ..passes.registry import PassContext, apply_passes
 from ..regions import BackwardSeqNr, copy_marks_to_backward
 from ..train_step import FunctionalTrainStep, accumulate_grads, named_buffers
 from . import CaptureContext, register_capture
@@ -62,19 +66,23 @@ def trace_train_step(
     inputs: torch.Tensor,
     labels: torch.Tensor,
     device: torch.device,
+    extra: Sequence[torch.Tensor] = (),
 ) -> fx.GraphModule:
     """Trace `step` on fake copies of the given tensors (only shapes, dtypes and strides are read,
-    so meta tensors work too) into a flat graph: (*params, *buffers, inputs, labels) -> (loss, *grads)."""
-    n_params, n_buffers = len(params), len(buffers)
+    so meta tensors work too) into a flat graph: (*params, *buffers, inputs, labels) -> (loss, *grads).
+    A step that also updates the parameters takes its state as `extra` inputs after the batch and
+    returns what it reports instead of the gradients."""
+    n_params, n_state = len(params), len(params) + len(buffers)
 
     def flat_step(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        loss, grads = step(args[:n_params], args[n_params : n_params + n_buffers], args[-2], args[-1])
-        return (loss, *grads)
+        loss, outs = step(args[:n_params], args[n_params:n_state], args[n_state], args[n_state + 1], *args[n_state + 2 :])
+        return (loss, *outs)
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_args = [_fake_like(mode, p, device, True) for p in params]
     fake_args += [_fake_like(mode, b, device, False) for b in buffers]
     fake_args += [_fake_like(mode, inputs, device, False), _fake_like(mode, labels, device, False)]
+    fake_args += [_fake_like(mode, e, device, False) for e in extra]
     with _module_stack(step.model) as stack:
         try:
             # preserve_node_meta keeps `node.meta["custom"]` (regions.py's marks) and `seq_nr`;
@@ -109,38 +117,49 @@ class TracedStep:
         cfg = self.ctx.cfg
         first = self.compiled is None
         folder = None
-        if cfg.compile.dump_graphs and self._is_rank0():
+        if cfg.compile.dump_graphs and is_lead_process():
             sub = "graphs" if first else f"graphs/retrace_{self.ctx.stats['retraces'] + 1}"
             folder = f"{cfg.job.dump_folder}/{sub}"
         dumper = GraphDumper(folder)
         t0 = time.perf_counter()
         locals_ = [p.to_local() for p in self.params]
-        gm = trace_train_step(self.fn, locals_, self.buffers, inputs, labels, self.ctx.device)
+        extra = self._extra_inputs()
+        gm = trace_train_step(self.fn, locals_, self.buffers, inputs, labels, self.ctx.device, extra)
         t1 = time.perf_counter()
         dumper.dump("traced", gm)
         pctx = PassContext(
             cfg=cfg,
             meshes=self.ctx.meshes,
             device=self.ctx.device,
-            example_inputs=[*locals_, *self.buffers, inputs, labels],
+            example_inputs=[*locals_, *self.buffers, inputs, labels, *extra],
             dumper=dumper,
             num_params=len(self.params),
             num_buffers=len(self.buffers),
             param_fqns=[s.fqn for s in self.fn.specs],
         )
+        # The parameter and activation policies decide what the traced step saves before any backend pass sees it.
+        gm = apply_passes(gm, parameter_passes(cfg) + activation_passes(cfg), pctx, "train_step")
         self.compiled = get_backend(cfg.compile.inductor_compilation).compile(gm, pctx)
         t2 = time.perf_counter()
         if not first:
             self.ctx.stats["retraces"] += 1
         self.ctx.stats.update(trace_s=t1 - t0, compile_s=t2 - t1, graph=dumper.stages)
+        for figures in pctx.report.values():
+            self.ctx.stats.update(figures)
         self.signature = self._signature(inputs, labels)
 
     @staticmethod
     def _signature(inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
         return (tuple(inputs.shape), inputs.dtype, tuple(labels.shape), labels.dtype)
 
-    def _is_rank0(self) -> bool:
-        return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    def _extra_inputs(self) -> list[torch.Tensor]:
+        """Graph inputs after the batch: none here; a step that updates the parameters adds its state."""
+        return []
+
+    def _finish(self, out: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Take the graph's outputs (loss, *grads) and return the loss."""
+        accumulate_grads(self.params, self.fn.specs, out[1:])
+        return out[0]
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.signature != self._signature(inputs, labels):
@@ -148,11 +167,14 @@ class TracedStep:
         assert self.compiled is not None
         # The graph computes its own gradients: autograd must not record it as well.
         with torch.no_grad():
-            out = self.compiled(*[p.to_local() for p in self.params], *self.buffers, inputs, labels)
-        accumulate_grads(self.params, self.fn.specs, out[1:])
-        return out[0]
+            out = self.compiled(*[p.to_local() for p in self.params], *self.buffers, inputs, labels, *self._extra_inputs())
+        return self._finish(out)
 
 
 @register_capture("aot_fx_trace")
 def capture_fx_trace(ctx: CaptureContext) -> TracedStep:
+    if ctx.cfg.compile.optimizer_in_graph:
+        from .optimizer_in_graph import OptimizerInGraphStep
+
+        return OptimizerInGraphStep(ctx)
     return TracedStep(ctx)

@@ -27,15 +27,21 @@ wall time less the time in our compilers (`compile_s`) and in the graphs they re
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import Any
 
 import torch
+from torch import fx, nn
 
 from graph_trainer.backends import get_backend
 
 from ..graph_dump import GraphDumper
+from ..passes.collectives import find_collectives
+from ..passes.registry import apply_passes
+from ..passes.reshard import parameter_passes
 from . import CaptureContext, register_capture
-from .aot import LossModule, StageCompiler, dump_folder
+from .aot import LossModule, StageCompiler, dump_folder, pass_context
 from .compat import aot_autograd, min_cut_partition
 
 
@@ -47,12 +53,20 @@ class JitStep:
         backend = aot_autograd(
             fw_compiler=self.compilers[0],
             bw_compiler=self.compilers[1],
-            partition_fn=min_cut_partition,
+            partition_fn=self._partition,
         )
         self.module = torch.compile(LossModule(ctx.model, ctx.loss_fn, ctx.loss_scale), backend=backend, dynamic=False)
         self.captures = 0
         self.dumper: GraphDumper | None = None
         ctx.stats.setdefault("retraces", 0)
+
+    def _partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        """The joint-stage passes (the parameter policy's partitioner tags), then the min-cut partition."""
+        ctx = pass_context(self.ctx, joint, joint_inputs, self._dumper())
+        # Only this pass reads names of inputs that are not leading: `num_params` stays as counted.
+        ctx = dataclasses.replace(ctx, param_fqns=_gathered_param_names(joint, self.ctx.model))
+        joint = apply_passes(joint, parameter_passes(self.ctx.cfg), ctx, "joint")
+        return min_cut_partition(joint, joint_inputs, **kwargs)
 
     def _dumper(self) -> GraphDumper:
         """One dumper per call that compiles, created by the first graph that call compiles."""
@@ -83,6 +97,25 @@ class JitStep:
             self.ctx.stats.update(trace_s=wall - compile_s - (new_run_s - run_s), compile_s=compile_s, graph=self.dumper.stages)
             self.dumper = None
         return loss.detach()
+
+
+def _gathered_param_names(joint: fx.GraphModule, model: nn.Module) -> list[str]:
+    """A parameter FQN per joint-graph input ('' for the others).
+
+    Dynamo hands AOTAutograd the parameters as unnamed inputs. Forward gathers each parameter when its
+    module runs, so the inputs the FSDP all-gathers read, in order of first gather, are the parameters
+    block by block in the model's order (within a module the order may differ, which the policy,
+    decided per block, does not read). Any other count of gathered inputs leaves all unnamed.
+    """
+    placeholders = list(joint.graph.find_nodes(op="placeholder"))
+    names = [""] * len(placeholders)
+    gathered = dict.fromkeys(c.placeholder for c in find_collectives(joint) if c.kind == "all_gather" and c.placeholder is not None)
+    fqns = [n for n, p in model.named_parameters() if p.requires_grad]
+    if len(gathered) == len(fqns):
+        index = {ph: i for i, ph in enumerate(placeholders)}
+        for ph, fqn in zip(gathered, fqns):
+            names[index[ph]] = fqn
+    return names
 
 
 @register_capture("jit")

@@ -2,6 +2,6 @@
 
 from graph_trainer.data.corpus import read_documents
 from graph_trainer.data.loader import TokenLoader
-from graph_trainer.data.tokenizer import build_tokenizer
+from graph_trainer.data.tokenizer import build_tokenizer, document_separator
 
-__all__ = ["TokenLoader", "build_tokenizer", "read_documents"]
+__all__ = ["TokenLoader", "build_tokenizer", "document_separator", "read_documents"]

@@ -5,13 +5,16 @@ from itertools import chain
 import torch
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
+from graph_trainer.data.tokenizer import document_separator
+
 
 class TokenLoader:
     """Serve fixed-length next-token-prediction batches from a list of documents.
 
-    Every document becomes ``BOS + tokens + EOS``; the documents are
-    concatenated into one stream that is cut into non-overlapping samples of
-    ``seq_len + 1`` tokens (a tail shorter than that is dropped). Global
+    Every document becomes ``BOS + tokens + separator`` (no BOS when the
+    tokenizer has none; the separator is `document_separator`'s: EOS, else SEP,
+    else nothing); the documents are concatenated into one stream that is cut
+    into non-overlapping samples of ``seq_len + 1`` tokens (a tail shorter than that is dropped). Global
     microbatch ``k`` is samples ``[k*G, (k+1)*G)`` with
     ``G = local_batch_size * dp_degree``, and rank ``r`` takes its contiguous
     slice of ``local_batch_size`` samples from it, so concatenating the ranks'
@@ -36,11 +39,6 @@ class TokenLoader:
             )
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_degree})")
-        if tokenizer.bos_id is None or tokenizer.eos_id is None:
-            raise ValueError(
-                "tokenizer has no BOS or EOS token (for a HuggingFace tokenizer, "
-                "set bos_token and eos_token in tokenizer_config.json)"
-            )
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
@@ -97,19 +95,20 @@ class TokenLoader:
 
 
 def _tokenize(documents: list[str], tokenizer) -> torch.Tensor:
-    """Concatenate ``BOS + doc + EOS`` for every document into one compact tensor."""
-    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    """Concatenate ``BOS + doc + separator`` for every document into one compact tensor."""
+    prefix = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    separator = document_separator(tokenizer)
+    suffix = [] if separator is None else [separator]
     if isinstance(tokenizer, HuggingFaceTokenizer):
         # The wrapper's encode() takes one string at a time; the underlying
         # Rust tokenizer's batch call spreads documents over all cores, which
-        # matters for start-up time on the full corpus. The flags mirror how
-        # the wrapper avoids doubling tokens its post-processor already adds.
-        prefix = [] if tokenizer.hf_adds_bos else [bos]
-        suffix = [] if tokenizer.hf_adds_eos else [eos]
-        encodings = tokenizer.tokenizer.encode_batch(documents, add_special_tokens=True)
+        # matters for start-up time on the full corpus. Its post-processor's
+        # special tokens (e.g. WordPiece's [CLS] ... [SEP]) are left out: the
+        # stream's structure is the one rule above, for every tokenizer family.
+        encodings = tokenizer.tokenizer.encode_batch(documents, add_special_tokens=False)
         pieces = [part for enc in encodings for part in (prefix, enc.ids, suffix)]
     else:
-        pieces = [tokenizer.encode(doc, add_bos=True, add_eos=True) for doc in documents]
+        pieces = [[*prefix, *tokenizer.encode(doc), *suffix] for doc in documents]
     # int16 halves the memory of int32 and covers vocabularies up to 32768 ids.
     dtype = torch.int16 if tokenizer.get_vocab_size() <= 2**15 else torch.int32
     return torch.tensor(list(chain.from_iterable(pieces)), dtype=dtype)

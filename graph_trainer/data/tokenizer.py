@@ -1,32 +1,83 @@
-"""Loading the tokenizer through torchtitan's HuggingFace tokenizer wrapper."""
+"""Loading any Hugging Face `tokenizers` tokenizer (BPE, WordPiece, Unigram, ...) through torchtitan's
+wrapper, from a file of any name or a folder holding one."""
+
+from __future__ import annotations
 
 from pathlib import Path
 
+from tokenizers import Tokenizer
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from graph_trainer.data.corpus import ASSETS_DIR
 
 TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
 
 
-def build_tokenizer(path: str | None) -> HuggingFaceTokenizer:
-    """Load a byte-level BPE tokenizer.
+class TokenizerError(ValueError):
+    """A tokenizer path that cannot be used; the message names the fix."""
 
-    ``None`` loads the shipped 2048-token tokenizer trained on the shipped
-    corpus. Otherwise ``path`` is a ``tokenizer.json`` file or a directory
-    holding one; BOS/EOS come from a ``tokenizer_config.json`` beside it.
-    """
-    if path is None:
-        return HuggingFaceTokenizer(str(ASSETS_DIR))
-    p = Path(path)
+
+class FileTokenizer(HuggingFaceTokenizer):
+    """torchtitan's wrapper around one tokenizer file, whatever its name.
+
+    BOS/EOS (and the SEP token) are the ones `tokenizer_config.json` beside the file names; without
+    that file the tokenizer has none. Tokens the config names that the vocabulary lacks are added to
+    it, as Hugging Face does, so they count in `get_vocab_size()`."""
+
+    def __init__(self, tokenizer_file: Path, tokenizer: Tokenizer):
+        self.tokenizer_file, self._loaded = tokenizer_file, tokenizer
+        super().__init__(str(tokenizer_file.parent))
+        sep = self._get_token_from_config(self.config, "sep_token") if self.config else None
+        self.sep_id = self.tokenizer.token_to_id(sep) if sep else None
+
+    def _load_tokenizer_from_path(self, tokenizer_path: str) -> Tokenizer:
+        return self._loaded
+
+
+def document_separator(tokenizer) -> int | None:
+    """The token that ends every document in the token stream: EOS, else SEP (WordPiece models have
+    one but no EOS), else None (documents are packed back to back)."""
+    if tokenizer.eos_id is not None:
+        return tokenizer.eos_id
+    return getattr(tokenizer, "sep_id", None)
+
+
+def _load(path: Path) -> Tokenizer | None:
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception:
+        return None
+
+
+def _find_tokenizer(path: Path) -> tuple[Path, Tokenizer]:
+    """The tokenizer file `path` names: the file itself, or in a folder `tokenizer.json`, else its
+    only JSON file that loads as a tokenizer."""
+    if path.is_dir() and not (path / TOKENIZER_FILE).is_file():
+        found = [(p, t) for p in sorted(path.glob("*.json")) if (t := _load(p)) is not None]
+        if len(found) != 1:
+            names = ", ".join(p.name for p, _ in found) or "none"
+            raise TokenizerError(f"model.tokenizer_path {path} must hold exactly one Hugging Face tokenizer file "
+                                 f"(found: {names}); pass the file itself")
+        return found[0]
+    file = path / TOKENIZER_FILE if path.is_dir() else path
+    try:
+        return file, Tokenizer.from_file(str(file))
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TokenizerError(f"model.tokenizer_path {file} is not a Hugging Face tokenizer file ({reason}); "
+                             f"save one with tokenizers' Tokenizer.save or transformers' save_pretrained") from None
+
+
+def build_tokenizer(path: str | None) -> FileTokenizer:
+    """Load a tokenizer: ``None`` is the shipped 2048-token BPE trained on the shipped corpus;
+    otherwise ``path`` is a tokenizer file of any name or a folder holding one, with the
+    ``tokenizer_config.json`` of the file's folder when there is one."""
+    p = ASSETS_DIR / TOKENIZER_FILE if path is None else Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"tokenizer path does not exist: {path}")
-    if p.is_file():
-        # torchtitan's wrapper takes the directory and reads fixed file names
-        # from it, so a file under another name would be silently ignored.
-        if p.name != TOKENIZER_FILE:
-            raise ValueError(f"tokenizer file must be named {TOKENIZER_FILE}: {path}")
-        return HuggingFaceTokenizer(str(p.parent))
-    if not (p / TOKENIZER_FILE).is_file():
-        raise FileNotFoundError(f"no {TOKENIZER_FILE} in tokenizer directory: {path}")
-    return HuggingFaceTokenizer(str(p))
+        raise TokenizerError(f"model.tokenizer_path {path} does not exist; pass a tokenizer file or its folder")
+    file, tokenizer = _find_tokenizer(p)
+    try:
+        return FileTokenizer(file, tokenizer)
+    except ValueError as e:
+        raise TokenizerError(f"{file.parent / CONFIG_FILE} cannot be read ({e}); fix or remove it") from None

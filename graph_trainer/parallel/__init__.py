@@ -23,18 +23,39 @@ def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, mp: MixedPrec
     return apply_simple_fsdp(model, meshes, mp)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, option: str) -> None:
-    if mode == "none":
+OP_SAC_SAVE_LIST = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+    torch.ops.aten.max.default,
+}
+"""Ops whose outputs op-level selective AC saves (of matmuls, every other one): torchtitan's list."""
+
+
+BLOCK_KEY = "ac_block"
+"""`node.meta["custom"]` key: the transformer block a traced op ran in (for op-level selective AC)."""
+
+
+def _mark_blocks(model: nn.Module) -> None:
+    from ..regions import annotate_module
+
+    for name, block in model.layers.items():
+        annotate_module(block, {BLOCK_KEY: name})
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, option: str, compile_mode: str) -> None:
+    """torchtitan's checkpoint wrappers, except where the `memory_policy` pass decides on the traced
+    step instead: `memory_budget`, and op-level selective AC in aot_fx_trace, where make_fx would
+    only tag the ops (no partitioner reads tags in one train-step graph); there the blocks are
+    marked for the pass."""
+    if mode in ("none", "memory_budget"):
+        return
+    if mode == "selective" and option == "op" and compile_mode == "aot_fx_trace":
+        _mark_blocks(model)
         return
     from torchtitan.config import ActivationCheckpoint as TitanAC
     from torchtitan.distributed.activation_checkpoint import apply_ac
 
-    save_list = {
-        torch.ops.aten.mm.default,
-        torch.ops.aten._scaled_dot_product_efficient_attention.default,
-        torch.ops.aten._scaled_dot_product_flash_attention.default,
-        torch.ops._c10d_functional.reduce_scatter_tensor.default,
-        torch.ops._c10d_functional.all_to_all_single.default,
-        torch.ops.aten.max.default,
-    }
-    apply_ac(model, TitanAC(mode=mode, selective_ac_option=option), op_sac_save_list=save_list)
+    apply_ac(model, TitanAC(mode=mode, selective_ac_option=option), op_sac_save_list=OP_SAC_SAVE_LIST)

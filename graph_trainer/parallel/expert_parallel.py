@@ -19,7 +19,6 @@ relative to the global-mean loss: the expert weights scale their gradient by `tp
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +32,6 @@ from torchtitan.models.moe import MoE
 
 from .mesh import DP_DIMS, Meshes
 from .moe_dispatch import DispatchPlan, dispatch_and_combine, route
-
-logger = logging.getLogger("graph_trainer")
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -70,8 +67,9 @@ def _compute_tensor(t: Tensor | None, partial_over_tp: bool) -> Tensor | None:
 class StaticDispatchMoE(MoE):
     """torchtitan's MoE (same parameters, buffers and FQNs) with a routing-independent dispatch.
 
-    Adds the non-persistent buffer `tokens_dropped` next to torchtitan's `tokens_per_expert`; the
-    optimizer's pre-step hook (`install_load_balancing`) reads and clears both.
+    Adds the non-persistent buffer `tokens_dropped` next to torchtitan's `tokens_per_expert` (which
+    counts only the pairs the experts processed); the optimizer's pre-step hook (`LoadBalancing`)
+    reads and clears both.
     """
 
     _moe_plan: MoEPlan
@@ -181,11 +179,12 @@ def _is_recomputed(block: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def _update_expert_bias(blocks: list[tuple[nn.Module, StaticDispatchMoE]], meshes: Meshes) -> None:
-    """Auxiliary-loss-free load balancing (torchtitan's rule) on the counts of the global batch."""
+def _update_expert_bias(blocks: list[tuple[nn.Module, StaticDispatchMoE]], meshes: Meshes, forwards: Tensor) -> Tensor:
+    """Auxiliary-loss-free load balancing (torchtitan's rule) on the counts of the global batch, which
+    leave out dropped pairs; `forwards` is each block's forward runs per step (a column). Returns the
+    pairs dropped over the global batch, on the device."""
     stats = torch.stack([torch.cat([moe.tokens_per_expert, moe.tokens_dropped.view(1)]) for _, moe in blocks])
-    # A recomputed block ran its forward twice (activation checkpointing) and counted twice.
-    stats /= torch.tensor([[2.0 if _is_recomputed(block) else 1.0] for block, _ in blocks], device=stats.device)
+    stats /= forwards
     dense = meshes.dense
     for dim in blocks[0][1]._moe_plan.count_dims:
         if dense.size(dense.mesh_dim_names.index(dim)) > 1:
@@ -197,19 +196,34 @@ def _update_expert_bias(blocks: list[tuple[nn.Module, StaticDispatchMoE]], meshe
             moe.expert_bias.add_(delta - delta.mean())
         moe.tokens_per_expert.zero_()
         moe.tokens_dropped.zero_()
-    dropped, routed = stats[:, -1].sum().item(), stats[:, :-1].sum().item()
-    if dropped:
-        logger.info(f"moe: dropped {dropped:.0f} of {routed:.0f} token-expert pairs over capacity")
+    return stats[:, -1].double().sum()
 
 
-def install_load_balancing(optimizers: torch.optim.Optimizer, model: nn.Module, meshes: Meshes) -> None:
+class LoadBalancing:
     """Before every optimizer step, sum the MoE token counts over the global batch, update each
     MoE's `expert_bias` from them and clear the counters (all in place: a traced train step holds
-    these buffers as graph inputs and adds into the very same tensors)."""
+    these buffers as graph inputs and adds into the very same tensors).
+
+    `dropped` is the step's dropped (token, expert) pairs over all ranks, left on the device: the
+    trainer reads it in the one host sync of the step, with the loss and the gradient norm."""
+
+    def __init__(self, optimizers: torch.optim.Optimizer, blocks: list[tuple[nn.Module, StaticDispatchMoE]], meshes: Meshes):
+        self.blocks, self.meshes = blocks, meshes
+        for _, moe in blocks:
+            moe.tokens_per_expert.zero_()
+            moe.tokens_dropped.zero_()
+        device = blocks[0][1].tokens_per_expert.device
+        # A recomputed block runs its forward twice (activation checkpointing) and counts twice. Built
+        # once here: a host-to-device copy in the hook would wait for the step's kernels.
+        self.forwards = torch.tensor([[2.0 if _is_recomputed(block) else 1.0] for block, _ in blocks], device=device)
+        self.dropped = torch.zeros((), dtype=torch.float64, device=device)
+        optimizers.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, *args, **kwargs) -> None:
+        self.dropped = _update_expert_bias(self.blocks, self.meshes, self.forwards)
+
+
+def install_load_balancing(optimizers: torch.optim.Optimizer, model: nn.Module, meshes: Meshes) -> LoadBalancing | None:
+    """Load balancing for a model's MoE blocks; None when it has none."""
     blocks = [(block, moe) for block, moe in _moe_blocks(model) if isinstance(moe, StaticDispatchMoE)]
-    if not blocks:
-        return
-    for _, moe in blocks:
-        moe.tokens_per_expert.zero_()
-        moe.tokens_dropped.zero_()
-    optimizers.register_step_pre_hook(lambda *args, **kwargs: _update_expert_bias(blocks, meshes))
+    return LoadBalancing(optimizers, blocks, meshes) if blocks else None

@@ -4,10 +4,12 @@ torchtitan's dispatch sizes its buffers and all-to-all splits from `.tolist()` o
 token counts, so a graph traced once bakes in one step's routing and breaks when routing changes.
 Here every shape is a function of (tokens, top_k, experts, ep, capacity) alone:
 
-1. the T*top_k (token, expert) pairs are sorted by expert (a permutation of static size);
-2. with expert parallelism, each peer gets a fixed buffer of `capacity` rows holding the pairs for
-   its experts in expert order; pairs past the capacity are dropped (their expert output is zero)
-   and counted. Buffers and per-expert counts travel by `all_to_all_single` with equal splits;
+1. the T*top_k (token, expert) pairs are sorted (permutations of static size);
+2. each peer (with expert parallelism: each rank of the ep mesh) gets a fixed buffer of `capacity`
+   rows; when its pairs do not fit, it keeps those of highest routing score and drops the rest
+   (their expert output is zero; they are counted, and left out of the per-expert counts). The kept
+   pairs sit in the buffer in expert order. Buffers and per-expert counts travel by
+   `all_to_all_single` with equal splits;
 3. the receiver regroups rows by local expert and runs the experts with grouped GEMMs whose group
    boundaries are an offsets tensor (data, not shapes); rows past the last offset are padding;
 4. outputs travel back the same way and each pair gathers its row from its slot.
@@ -25,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+
+from .compat import is_fake_process_group
 
 # Private torch APIs this module relies on; both exist in torch 2.11 through 2.13.
 try:
@@ -106,7 +110,7 @@ class DispatchResult:
     output: Tensor
     """(tokens, dim): the routed experts' output, weighted by the routing scores."""
     tokens_per_expert: Tensor
-    """(experts,) float: pairs routed to each expert, dropped ones included."""
+    """(experts,) float: pairs each expert processed (dropped pairs are not counted)."""
     dropped: Tensor
     """() float: pairs that found no room in their peer's buffer."""
 
@@ -116,6 +120,13 @@ def _exchange(t: Tensor, mesh: DeviceMesh) -> Tensor:
     if t.requires_grad:
         return all_to_all_single_autograd(t, None, None, mesh)
     return all_to_all_single(t, None, None, mesh)
+
+
+def _bounded_counts(counts: Tensor, capacity: int) -> Tensor:
+    """Counts a real peer could have sent (>= 0, at most `capacity` rows per peer). The fake process
+    group's all-to-all returns uninitialised memory; indexing with it would leave the buffers."""
+    ends = torch.cumsum(counts.clamp(0, capacity), dim=1).clamp(max=capacity)
+    return torch.diff(ends, dim=1, prepend=torch.zeros_like(ends[:, :1]))
 
 
 def _group_by_expert(recv: Tensor, recv_counts: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
@@ -153,16 +164,23 @@ def dispatch_and_combine(
     device = x.device
 
     flat_expert = experts.reshape(-1)
-    order = torch.argsort(flat_expert, stable=True)
-    counts = torch.zeros(plan.num_experts, dtype=torch.int64, device=device).scatter_add_(
-        0, flat_expert, torch.ones_like(flat_expert)
-    )
-    per_peer = counts.view(ep, local_experts)
-    peer_pairs = per_peer.sum(dim=1)
+    flat_peer = flat_expert // local_experts
+    peer_pairs = torch.zeros(ep, dtype=torch.int64, device=device).scatter_add_(0, flat_peer, torch.ones_like(flat_peer))
     peer_start = torch.cumsum(peer_pairs, dim=0) - peer_pairs
-    # Each peer's buffer takes that peer's pairs in expert order until it is full.
-    before = torch.cumsum(per_peer, dim=1) - per_peer
-    kept = torch.minimum(per_peer, (capacity - before).clamp(min=0))
+    # A full buffer keeps its peer's `capacity` pairs of highest routing score, whichever experts they
+    # go to: the dropped pairs are the ones that would have weighed least in their tokens' outputs.
+    # Equal scores keep the earlier (token, k) pair.
+    by_score = torch.argsort(scores.detach().reshape(-1), descending=True, stable=True)
+    by_peer = by_score[torch.argsort(flat_peer[by_score], stable=True)]
+    rank_by_score = torch.arange(pairs, device=device) - peer_start[flat_peer[by_peer]]
+    pair_kept = torch.zeros(pairs, dtype=torch.bool, device=device).scatter(0, by_peer, rank_by_score < capacity)
+    # The buffer holds the kept pairs in expert order (each expert's rows together for the grouped
+    # GEMMs), then padding: sort each peer's pairs by (dropped, local expert), stable in pair order.
+    order = torch.argsort(
+        (flat_peer * 2 + (~pair_kept).long()) * local_experts + flat_expert % local_experts, stable=True
+    )
+    counts = torch.zeros(plan.num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat_expert, pair_kept.long())
+    kept = counts.view(ep, local_experts)
 
     slot_row = torch.arange(capacity, device=device)
     slot_valid = (slot_row.unsqueeze(0) < kept.sum(dim=1, keepdim=True)).flatten()
@@ -177,6 +195,8 @@ def dispatch_and_combine(
     else:
         recv = _exchange(send, plan.ep_mesh)
         recv_counts = _exchange(kept.flatten(), plan.ep_mesh).view(ep, local_experts)
+        if is_fake_process_group():
+            recv_counts = _bounded_counts(recv_counts, capacity)
         dest, group_sizes = _group_by_expert(recv, recv_counts, capacity)
         grouped = torch.zeros_like(recv).index_copy(0, dest, recv)
     offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
@@ -184,10 +204,9 @@ def dispatch_and_combine(
     if plan.ep_mesh is not None:
         out = _exchange(out.index_select(0, dest), plan.ep_mesh)
 
-    # Each pair's slot: its rank among its peer's pairs (in expert order) after that peer's offset.
-    sorted_peer = flat_expert[order] // local_experts
+    # Each kept pair's slot: its place among its peer's kept pairs (in expert order) after that peer's offset.
+    sorted_peer = flat_peer[order]
     rank_in_peer = torch.arange(pairs, device=device) - peer_start[sorted_peer]
-    pair_kept = torch.zeros(pairs, dtype=torch.bool, device=device).scatter(0, order, rank_in_peer < capacity)
     pair_slot = torch.zeros_like(order).scatter(0, order, sorted_peer * capacity + rank_in_peer.clamp(max=capacity - 1))
     pair_out = torch.where(pair_kept.unsqueeze(1), out[pair_slot], out.new_zeros(())).view(num_tokens, top_k, dim)
     if plan.score_before_experts:

@@ -14,22 +14,39 @@ across meshes with stock DCP.
 
 from __future__ import annotations
 
+import contextlib
+import re
+import weakref
 from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
+from .compat import view_base
 from .mesh import Meshes
 
 DP_STORAGE_DIMS = ("dp_replicate", "dp_shard", "efsdp")
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtype names the config's mixed-precision settings take."""
 
 
 @dataclass(frozen=True)
 class MixedPrecision:
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+
+    @staticmethod
+    def from_config(training: Any, device_type: str) -> "MixedPrecision":
+        """`training.mixed_precision_param` "auto" is bfloat16 on GPU, float32 on CPU."""
+        name = training.mixed_precision_param
+        if name == "auto":
+            name = "bfloat16" if device_type == "cuda" else "float32"
+        return MixedPrecision(DTYPES[name], DTYPES[training.mixed_precision_reduce])
 
 
 @dataclass(frozen=True)
@@ -50,9 +67,99 @@ class ParamGather:
         )
         grad_placements = [Partial("avg") if i in self.dp_dims else p for i, p in enumerate(param.placements)]
         local = gathered.to_local(grad_placements=grad_placements)
-        if self.compute_mesh is None:
-            return local
-        return DTensor.from_local(local, self.compute_mesh, self.compute_placements, run_check=False)
+        out = local if self.compute_mesh is None else DTensor.from_local(local, self.compute_mesh, self.compute_placements, run_check=False)
+        if _GATHERED:
+            root = _root(out)
+            _GATHERED[-1][id(root)] = (weakref.ref(root), self, param)
+        return out
+
+
+_BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def resharded_params(fqns: Sequence[str], policy: str) -> set[str]:
+    """The parameters (of `fqns`, in the model's order) whose gathered value is freed after forward
+    and gathered again for backward under `--parallelism.reshard_after_forward policy`.
+
+    `always`: all; `never`: none; `default`: all but the last transformer block and the parameters
+    after it (final norm, output projection), as FSDP2 does: backward starts with them, so gathering
+    them again right after forward would only add an all-gather.
+    """
+    if policy == "never":
+        return set()
+    blocks = [int(m.group(1)) for f in fqns if (m := _BLOCK.search(f))]
+    if policy == "always" or not blocks:
+        return set(fqns)
+    last = max(blocks)
+    first_kept = next(i for i, f in enumerate(fqns) if (m := _BLOCK.search(f)) and int(m.group(1)) == last)
+    return set(fqns[:first_kept])
+
+
+_GATHERED: list[dict[int, tuple[weakref.ref, ParamGather, nn.Parameter]]] = []
+"""While `reshard_after_forward` is active: the storage of each gathered parameter of the step, by id
+(weakly: the point is that it can die after forward)."""
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns `t`'s storage (`t` itself unless it is a view)."""
+    base = view_base(t)
+    return t if base is None else base
+
+
+@dataclass(frozen=True)
+class _Regather:
+    """A saved gathered parameter between forward and backward: only its shard is referenced."""
+
+    gather: ParamGather
+    param: nn.Parameter
+    view: tuple[torch.Size, tuple[int, ...], int] | None
+    """Size, stride and offset of the saved view of the gathered value (None: the value itself)."""
+
+    def __call__(self) -> torch.Tensor:
+        with torch.no_grad():
+            full = _root(self.gather(self.param))
+        return full if self.view is None else full.as_strided(*self.view)
+
+
+@contextlib.contextmanager
+def reshard_after_forward(model: nn.Module, policy: str) -> Iterator[None]:
+    """Eager forward + backward under `--parallelism.reshard_after_forward policy`.
+
+    Autograd saves a gathered weight (or a view of it, such as the transpose a matmul keeps) for the
+    backward of the op that read it, which holds the whole unsharded parameter until backward. Here
+    such a saved tensor of a resharded parameter is replaced by its shard and gathered again (one more
+    all-gather) when backward unpacks it, so the forward copy dies after its last forward use. What the
+    traced modes do with their graphs (passes/reshard.py), done with autograd's saved-tensor hooks.
+    """
+    fqns = [n for n, _ in model.named_parameters()]
+    params = dict(model.named_parameters())
+    chosen = {id(params[f]) for f in resharded_params(fqns, policy)}
+    gathered: dict[int, tuple[weakref.ref, ParamGather, nn.Parameter]] = {}
+
+    def pack(t: torch.Tensor) -> Any:
+        root = _root(t)
+        entry = gathered.get(id(root))
+        if entry is None or entry[0]() is not root or id(entry[2]) not in chosen:
+            return t
+        if t is root:
+            return _Regather(entry[1], entry[2], None)
+        if isinstance(t, DTensor):
+            # A view of a plain tensor is rebuilt from its strides; DTensor views (of TP weights) stay saved.
+            return t
+        return _Regather(entry[1], entry[2], (t.size(), t.stride(), t.storage_offset()))
+
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved() if isinstance(saved, _Regather) else saved
+
+    if not chosen:
+        yield
+        return
+    _GATHERED.append(gathered)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        _GATHERED.pop()
 
 
 _GATHERING_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}

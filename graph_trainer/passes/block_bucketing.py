@@ -24,7 +24,9 @@ import re
 
 from torch import fx
 
-from .bucketing import Bucket, Collective, find_collectives, layout, schedule
+from .bucket_plan import Bucket, layout
+from .bucketing import schedule
+from .collectives import Collective, find_collectives
 from .cost_model import CostModel
 from .registry import PassContext, PassSpec, register_pass
 
@@ -81,7 +83,7 @@ def transformer_block_bucketing(gm: fx.GraphModule, ctx: PassContext) -> fx.Grap
     lay = layout(gm, colls, model)
     buckets = block_buckets(gm, colls, list(ctx.param_fqns[: ctx.num_params]))
     place_per_block(buckets)
-    return schedule(gm, buckets, lay, model, "transformer_block_bucketing", placed=True)
+    return schedule(gm, buckets, lay, model, "transformer_block_bucketing")
 
 
 register_pass(PassSpec(

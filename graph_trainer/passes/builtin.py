@@ -3,3 +3,4 @@
 from . import cudagraph  # noqa: F401
 from . import inductor  # noqa: F401
 from . import bucketing, block_bucketing, reshard  # noqa: F401
+from . import memory_policy  # noqa: F401

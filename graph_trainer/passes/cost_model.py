@@ -1,95 +1,33 @@
-"""Estimated times for the collective scheduling passes and the autoparallel backend.
+"""Estimated times for the collective scheduling passes, the autoparallel backend and the run's
+prediction file, on the numbers of `graph_trainer.hardware` (the solver prices with the same ones).
 
-- Collectives: an alpha-beta (latency-bandwidth) model of a ring collective on the process group's
-  ranks: `(n-1) * latency + (n-1)/n * bytes / bandwidth` for all-gather and reduce-scatter (twice
-  that for all-reduce), with the link of the mesh dimension (inside one host or across hosts).
+- Collectives: `hardware.ring_collective_s`, a latency-bandwidth model of a ring collective on the
+  process group's ranks: `(n-1) * latency + (n-1)/n * bytes / bandwidth` for all-gather and
+  reduce-scatter (twice that for all-reduce), with the link of the mesh dimension (inside one node
+  of `gpus_per_node` ranks, or across nodes).
 - Compute: a roofline per aten node, `max(FLOPs / achieved FLOP/s, bytes moved / achieved memory
   bandwidth)`; views cost nothing. With `fused=True` (the graph will be compiled whole by Inductor)
   pointwise and reduction ops are charged only for writing their output, since their inputs stay in
-  registers inside fused kernels.
+  registers inside fused kernels. Every kernel costs at least the hardware's launch time.
 - A timeline of one step: compute runs in graph order, collectives run one after another on one
   communication stream from the point they are issued; a wait stalls compute until its collective
   is done. The schedulers compare plans by the simulated step time.
-
-The figures are per device kind, never measured per run: every rank must derive the same plan
-(same collectives, same order) from the same graph, or the ranks deadlock.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
 from torch import fx
 
-from ..graph_dump import nbytes
+from ..graph_dump import collective_kind, nbytes
+from ..flops import node_flops
+from ..hardware import Hardware, ring_collective_s, select
 
-from .bucketing_compat import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, node_flops
-
-GiB = 1 << 30
-MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Achieved (not spec-sheet) rates of one device kind and its links."""
-
-    name: str
-    flops: dict[torch.dtype, float]
-    """Matmul FLOP/s by dtype; dtypes not listed use the float32 figure."""
-    mem_bw: float
-    intra_bw: float
-    """Bytes/s one rank sends around a ring inside one host."""
-    intra_latency: float
-    """Seconds per ring step inside one host."""
-    inter_bw: float
-    inter_latency: float
-    launch_s: float
-    """Host time to issue one collective and wait for it."""
-    max_bucket_bytes: int
-    max_in_flight_bytes: int
-    """Gathered bytes that may be in flight (issued, not yet consumed) at once."""
-
-
-# Calibrated on the shared CPU machines (2 ranks, gloo over loopback, one thread each): a 2-rank
-# all-gather took 0.25 ms at 8 KB and moved 0.2-0.5 GB/s, fp32 mm ran at 23 GFLOP/s, copies at 2-4 GB/s.
-CPU_GLOO = Hardware(
-    name="cpu-gloo",
-    flops={torch.float32: 25e9, torch.bfloat16: 8e9, torch.float16: 8e9},
-    mem_bw=4e9,
-    intra_bw=0.5e9,
-    intra_latency=150e-6,
-    inter_bw=0.5e9,
-    inter_latency=150e-6,
-    launch_s=30e-6,
-    max_bucket_bytes=64 * MiB,
-    max_in_flight_bytes=256 * MiB,
-)
-
-# 70% of the dense spec peaks (989 TFLOP/s bf16, 67 TFLOP/s fp32), NCCL ring bus bandwidth over
-# NVLink inside a host and one 400 Gb/s NIC per GPU across hosts.
-H100 = Hardware(
-    name="h100",
-    flops={torch.bfloat16: 0.7 * 989e12, torch.float16: 0.7 * 989e12, torch.float32: 0.7 * 67e12},
-    mem_bw=0.7 * 3.35e12,
-    intra_bw=360e9,
-    intra_latency=10e-6,
-    inter_bw=40e9,
-    inter_latency=20e-6,
-    launch_s=8e-6,
-    max_bucket_bytes=1 * GiB,
-    max_in_flight_bytes=5 * GiB,
-)
-H200 = Hardware(**{**H100.__dict__, "name": "h200", "mem_bw": 0.7 * 4.8e12})
-
-
-def hardware_for(device: torch.device) -> Hardware:
-    if device.type != "cuda":
-        return CPU_GLOO
-    return H200 if "H200" in torch.cuda.get_device_name(device) else H100
+from .bucketing_compat import WAIT
 
 
 @dataclass(frozen=True)
@@ -98,11 +36,13 @@ class Link:
     inter_host: bool
 
 
-def mesh_links(meshes: Any) -> dict[str, Link]:
-    """Process group name -> (size, whether its ranks span hosts), for every mesh dimension."""
+def mesh_links(meshes: Any, hw: Hardware) -> dict[str, Link]:
+    """Process group name -> (size, whether its ranks span nodes), for every mesh dimension of the
+    job's mesh. Nodes hold `hw.gpus_per_node` ranks: the real job's layout, also when a fake
+    process group simulates it on one device."""
     if meshes is None or not torch.distributed.is_initialized():
         return {}
-    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))
+    per_host = hw.gpus_per_node
     links: dict[str, Link] = {}
     for mesh in (meshes.dense, getattr(meshes, "sparse", None)):
         if mesh is None:
@@ -114,7 +54,8 @@ def mesh_links(meshes: Any) -> dict[str, Link]:
     return links
 
 
-_FREE_TARGETS = {torch.ops.aten._unsafe_view.default, WAIT, ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE}
+_FREE_TARGETS = {torch.ops.aten._unsafe_view.default, WAIT}
+_CAST = torch.ops.aten._to_copy.default
 
 
 @dataclass
@@ -125,23 +66,31 @@ class CostModel:
 
     @classmethod
     def for_context(cls, ctx: Any, fused: bool = False) -> "CostModel":
-        return cls(hardware_for(ctx.device), mesh_links(ctx.meshes), fused)
+        hw = select(ctx.cfg.compile.hardware, ctx.device)
+        return cls(hw, mesh_links(ctx.meshes, hw), fused)
 
     def _link(self, group_name: str) -> tuple[float, float]:
         link = self.links.get(group_name)
-        if link is not None and link.inter_host:
-            return self.hw.inter_bw, self.hw.inter_latency
-        return self.hw.intra_bw, self.hw.intra_latency
+        return self.hw.link(link is not None and link.inter_host)
 
     def collective_time(self, kind: str, nbytes: int, group_size: int, group_name: str = "") -> float:
         """Seconds for one ring collective; `nbytes` is the unsharded size (gathered output,
         reduce-scatter input, all-reduce tensor)."""
-        if group_size <= 1:
-            return 0.0
         bw, latency = self._link(group_name)
-        steps = group_size - 1
-        one_pass = steps * latency + steps / group_size * nbytes / bw
-        return 2 * one_pass if kind == "all_reduce" else one_pass
+        return ring_collective_s(kind, nbytes, group_size, bw, latency)
+
+    def blocking_collective_time(self, node: fx.Node, kind: str) -> float:
+        """A collective the schedulers do not move (tensor-parallel activations, all-reduces,
+        all-to-alls) holds compute up for its whole time: its wait directly follows in the traced graph."""
+        group_name = node.args[-1]
+        link = self.links.get(group_name)
+        if kind in ("all_gather", "reduce_scatter"):
+            size = node.args[-2]
+        else:
+            size = link.size if link is not None else 1
+        sent = fx.node.map_arg(node.args[0], lambda n: n.meta.get("val"))
+        moved = nbytes(node.meta.get("val")) if kind == "all_gather" else nbytes(sent)
+        return self.collective_time(kind, moved, size, group_name) + self.hw.launch_s
 
     def per_byte_time(self, kind: str, nbytes: int, group_size: int, group_name: str = "") -> float:
         return self.collective_time(kind, nbytes, group_size, group_name) / max(nbytes, 1)
@@ -165,16 +114,22 @@ class CostModel:
         target = node.target
         if target.is_view or target in _FREE_TARGETS:
             return 0.0
+        kind = collective_kind(node)
+        if kind is not None:
+            return self.blocking_collective_time(node, kind)
         out = node.meta.get("val")
         flops = node_flops(node)
-        fusible = torch.Tag.pointwise in target.tags or torch.Tag.reduction in target.tags
+        # dtype casts (_to_copy) are pointwise too, though not tagged so
+        fusible = torch.Tag.pointwise in target.tags or torch.Tag.reduction in target.tags or target is _CAST
         if self.fused and fusible:
-            moved = nbytes(out)
+            moved, launch = nbytes(out), 0.0
         else:
             moved = nbytes(out) + sum(nbytes(a.meta.get("val")) for a in node.all_input_nodes)
-        dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
-        rate = self.hw.flops.get(dtype, self.hw.flops[torch.float32])
-        return max(flops / rate, moved / self.hw.mem_bw)
+            launch = self.hw.launch_s
+        # the first tensor result's dtype (attention returns a tuple: output, logsumexp, ...)
+        tensors = [v for v in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(v, torch.Tensor)]
+        dtype = tensors[0].dtype if tensors else torch.float32
+        return max(flops / self.hw.flops(dtype), moved / self.hw.mem_bw) + launch
 
 
 @dataclass(frozen=True)

@@ -67,8 +67,71 @@ def _drop_unused_opaque_inputs(gm: fx.GraphModule) -> list[int] | None:
     return kept
 
 
+def _is_integer_tensor(val: Any) -> bool:
+    return isinstance(val, torch.Tensor) and not val.is_floating_point() and not val.is_complex()
+
+
+def split_mask_prologue(gm: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule] | None:
+    """Split off the part of the graph that builds FlexAttention's masks from the token ids alone.
+
+    Returns (prologue, main), or None when no FlexAttention op reads such a mask. The prologue takes
+    the graph's inputs and returns the mask tensors; `main` takes the graph's inputs followed by
+    them. Inductor (torch 2.11) cannot compile FlexAttention whose block mask and mask-function
+    buffers are computed in the same graph: it indexes them before their layout is fixed ("convert
+    FlexibleLayout to FixedLayout first"). Given as inputs, as `torch.compile` sees them when the
+    mask is built by its own call, they compile into the fused kernels.
+    """
+    from_tokens: dict[fx.Node, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            from_tokens[node] = _is_integer_tensor(node.meta.get("val"))
+        elif node.op == "call_function":
+            from_tokens[node] = all(from_tokens[a] for a in node.all_input_nodes)
+        else:
+            from_tokens[node] = False
+    hops = [n for n in gm.graph.nodes if n.op == "call_function" and "flex_attention" in str(n.target)
+            and isinstance(n.target, torch._ops.HigherOrderOperator)]
+    masks = {a for n in hops for a in n.all_input_nodes if a.op == "call_function" and from_tokens[a]}
+    if not masks:
+        return None
+    prologue: set[fx.Node] = set()
+    todo = list(masks)
+    while todo:
+        node = todo.pop()
+        if node not in prologue and node.op == "call_function":
+            prologue.add(node)
+            todo.extend(node.all_input_nodes)
+    outputs = [n for n in gm.graph.nodes if n in prologue and any(u not in prologue for u in n.users)]
+    placeholders = gm.graph.find_nodes(op="placeholder")
+
+    def copy(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node]) -> None:
+        for node in nodes:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+
+    first, env = fx.Graph(), {}
+    copy(first, placeholders + [n for n in gm.graph.nodes if n in prologue], env)
+    first.output(tuple(env[n] for n in outputs))
+    second, env = fx.Graph(), {}
+    copy(second, placeholders, env)
+    for node in outputs:
+        env[node] = second.placeholder(f"{node.name}_mask")
+        env[node].meta = dict(node.meta)
+    copy(second, [n for n in gm.graph.nodes if n.op != "placeholder" and n not in prologue], env)
+    return fx.GraphModule(gm, first), fx.GraphModule(gm, second)
+
+
 def full_inductor_compilation(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
-    """Compile the whole graph, collectives included, with Inductor."""
+    """Compile the whole graph, collectives included, with Inductor; a FlexAttention mask built from the
+    token ids runs before it as FX (`split_mask_prologue`)."""
+    split = split_mask_prologue(gm)
+    if split is None:
+        return _compile_whole(gm, ctx)
+    prologue, main = split
+    compiled = _compile_whole(main, ctx)
+    return Compiled(lambda *args: compiled(*args, *prologue(*args)), main)
+
+
+def _compile_whole(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
     inputs = fake_inputs(gm, ctx)
     kept = _drop_unused_opaque_inputs(gm)
     if kept is not None:

@@ -13,6 +13,8 @@ from typing import Any, Callable, Literal
 import torch
 from torch import fx
 
+from .step_estimate import GraphEstimate, estimate_graph
+
 Stage = Literal["joint", "forward", "backward", "train_step"]
 STAGES: tuple[Stage, ...] = ("joint", "forward", "backward", "train_step")
 GRAPH_MODES = ("jit", "aot", "aot_fx_trace")
@@ -34,6 +36,9 @@ class PassContext:
     param_fqns: list[str] = field(default_factory=list)
     stage: Stage = "train_step"
     """The stage of the graph being transformed; `apply_passes` sets it."""
+    report: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Figures a pass reports, by pass name: recorded with its stage in the dumps' summary.json; the
+    capture adds them to its stats (the log and the step-1 metrics record)."""
 
 
 PassFn = Callable[[fx.GraphModule, PassContext], Any]
@@ -63,9 +68,60 @@ class PassSpec:
     """`--compile.inductor_compilation` backends that do this pass's job themselves: refused with them."""
     env_defaults: tuple[tuple[str, str], ...] = ()
     """Environment variables the pass needs set before any process group exists (unless the user set them)."""
+    set_by: str = ""
+    """The flag that adds this pass (in front of the others); it is refused in --compile.passes."""
 
 
 PASSES: dict[str, PassSpec] = {}
+ESTIMATES: dict[str, GraphEstimate] = {}
+"""The cost model's estimate of each stage's graph as last captured, before its passes ran
+(prediction.json reads them)."""
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """A lever that is a setting, not a pass, with its constraints as data: `passes/validate.py`
+    checks them as it checks a pass's, before anything heavy runs."""
+
+    flag: str
+    """`section.key` of the setting."""
+    on: Any
+    """The value that turns the lever on."""
+    description: str
+    modes: tuple[str, ...]
+    """Capture modes (`--compile.mode`) it works in."""
+    conflicts: tuple[str, ...] = ()
+    """Passes it cannot run with (named in --compile.passes or added by the backend)."""
+    excluded_backends: tuple[str, ...] = ()
+    """`--compile.inductor_compilation` backends it cannot run with."""
+    requires: tuple[tuple[str, Any, str], ...] = ()
+    """Settings that must hold with it: (`section.key`, value, why)."""
+
+
+OPTIONS: tuple[OptionSpec, ...] = (
+    OptionSpec(
+        flag="compile.optimizer_in_graph", on=True,
+        description="gradient clipping and the AdamW update traced into the train-step graph",
+        modes=("aot_fx_trace",),
+        # cudagraph copies every input after the parameters and buffers into static buffers: the
+        # optimizer state the graph updates in place would be updated in those copies only.
+        conflicts=("cudagraph",),
+        excluded_backends=("autoparallel_backend",),
+        requires=(
+            ("training.gradient_accumulation_steps", 1, "the update runs in the graph of the one microbatch"),
+            ("optimizer.name", "AdamW", "the traced update is AdamW's"),
+        ),
+    ),
+    OptionSpec(
+        flag="training.loss", on="fused_linear_ce",
+        description="output projection + cross-entropy chunked over tokens (no whole logits)",
+        modes=("eager", "jit", "aot", "aot_fx_trace"),
+        requires=(
+            ("parallelism.tp", 1, "tensor parallelism shards the vocabulary of the output projection"),
+            ("compile.autoparallel", False, "the solver places the output projection itself"),
+        ),
+    ),
+)
 
 
 def register_pass(spec: PassSpec) -> PassSpec:
@@ -109,6 +165,8 @@ def apply_passes(gm: fx.GraphModule, names: list[str], ctx: PassContext, stage: 
     """
     passes = load_passes()
     ctx = dataclasses.replace(ctx, stage=stage)
+    if ctx.cfg is not None:  # a job's graph (not a bare one a test builds): prediction.json prices it
+        ESTIMATES[stage] = estimate_graph(gm, ctx)
     result: Any = gm
     for name in names:
         spec = passes[name]
@@ -118,8 +176,9 @@ def apply_passes(gm: fx.GraphModule, names: list[str], ctx: PassContext, stage: 
         if ctx.dumper is None:
             continue
         label = f"{stage}_{name}" if stage != "train_step" else name
+        extra = {"report": ctx.report[name]} if name in ctx.report else {}
         if isinstance(result, fx.GraphModule):
-            ctx.dumper.dump(label, result)
+            ctx.dumper.dump(label, result, **extra)
         elif isinstance(getattr(result, "graph_module", None), fx.GraphModule):
             ctx.dumper.dump(label, result.graph_module, compiled=True)
     return result

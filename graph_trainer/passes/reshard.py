@@ -1,15 +1,21 @@
-"""reshard_after_forward: free gathered parameters after forward and gather them again for backward.
+"""reshard_after_forward: `--parallelism.reshard_after_forward` (default / always / never) in the
+graph modes. Every capture runs it first (it is not listed in `--compile.passes`); eager mode does the
+same through autograd's saved-tensor hooks (`parallel/simple_fsdp.py`, where the policy is defined:
+`resharded_params`).
 
-In the single train-step graph an all-gathered parameter is used by forward and again by backward
-(weight gradients of the input need the weight), so it stays alive from its forward use to its last
-backward use: every parameter is held unsharded across the loss. This pass gives each such
-parameter a second all-gather (same input shard) placed before its first backward use, and points
-the backward uses at it, along with copies of the one-input ops (views, casts) forward applied to the
-gathered value. The forward copy then dies after its last forward use.
+Which gathers: the FSDP all-gathers of parameters (`collectives.find_collectives`), named through
+the parameter placeholder they read; a parameter the policy keeps is left as traced.
 
-It acts when `parallelism.reshard_after_forward` is `always` or `default` (traced modes reshard by
-default) and leaves the graph as is for `never`. Run it before any bucketing pass: those then bucket
-the backward all-gathers too, per block or by the cost model, and prefetch them in backward.
+- `train_step` (aot_fx_trace): an all-gathered parameter is used by forward and again by backward
+  (weight gradients of the input need the weight), so it stays alive from its forward use to its last
+  backward use. For each resharded parameter a second all-gather (same input shard) is placed before
+  its first backward use, with copies of the one-input ops (views, casts) forward applied to the
+  gathered value, and the backward uses point at them: the forward copy dies after its last forward
+  use. Bucketing passes after it bucket and prefetch the backward all-gathers too.
+- `joint` (aot, jit): the all-gather and its wait are tagged for the min-cut partitioner, as
+  activation checkpointing tags ops: must-recompute for a resharded parameter (backward gathers it
+  again), must-save for a kept one (backward reads the forward copy).
+
 Parameters that activation checkpointing already gathers again in backward have no backward use of
 the forward copy, so the pass is a no-op on them (and on a graph it already resharded).
 """
@@ -17,14 +23,38 @@ the forward copy, so the pass is a no-op on them (and on a graph it already resh
 from __future__ import annotations
 
 from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
 
-from .bucketing import emit, find_collectives, forward_end
+from ..parallel.simple_fsdp import resharded_params
+from .bucket_merge import emit
 from .bucketing_compat import ALL_GATHER, WAIT
+from .collectives import Collective, find_collectives, forward_end
 from .registry import GRAPH_MODES, PassContext, PassSpec, register_pass
 
+FLAG = "--parallelism.reshard_after_forward"
+AC_GRAPH_ID = 100_000
+"""The partitioner saves values on the border of two checkpointed regions with nearby ids: an id
+far from activation checkpointing's keeps the tags of the gathers apart from those regions."""
 
-def enabled(ctx: PassContext) -> bool:
-    return ctx.cfg.parallelism.reshard_after_forward in ("always", "default")
+
+def parameter_passes(cfg) -> list[str]:
+    """The passes the parameter policy adds in front of the others (every capture that makes graphs
+    runs them; the pass itself reads the policy)."""
+    return ["reshard_after_forward"]
+
+
+def _gathers(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[Collective, bool]]:
+    """Each parameter all-gather and whether the policy reshards its parameter."""
+    index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    # Leading inputs in aot and aot_fx_trace; in jit one name per input, '' for those not parameters.
+    names = ctx.param_fqns
+    resharded = resharded_params([f for f in dict.fromkeys(names) if f], ctx.cfg.parallelism.reshard_after_forward)
+    found = []
+    for c in find_collectives(gm):
+        i = index.get(c.placeholder, len(names)) if c.kind == "all_gather" else len(names)
+        if i < len(names) and names[i]:
+            found.append((c, names[i] in resharded))
+    return found
 
 
 def _forward_derived(wait: fx.Node, pos: dict[fx.Node, int], boundary: int) -> dict[fx.Node, fx.Node]:
@@ -40,15 +70,13 @@ def _forward_derived(wait: fx.Node, pos: dict[fx.Node, int], boundary: int) -> d
     return parent
 
 
-def reshard_after_forward(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if not enabled(ctx):
-        return gm
+def _regather_for_backward(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     boundary = forward_end(gm)
     pos = {n: i for i, n in enumerate(graph.nodes)}
     changed = False
-    for c in find_collectives(gm):
-        if c.kind != "all_gather" or pos[c.start] > boundary:
+    for c, reshard in _gathers(gm, ctx):
+        if not reshard or pos[c.start] > boundary:
             continue
         parent = _forward_derived(c.wait, pos, boundary)
         values = [c.wait, *parent]
@@ -77,13 +105,26 @@ def reshard_after_forward(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     return gm
 
 
+def _tag_for_partitioner(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    for c, reshard in _gathers(gm, ctx):
+        policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
+        for node in (c.start, c.wait):
+            node.meta["recompute"] = policy
+            node.meta["ac_graph_id"] = AC_GRAPH_ID
+    return gm
+
+
+def reshard_after_forward(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    if ctx.stage == "joint":
+        return _tag_for_partitioner(gm, ctx)
+    return _regather_for_backward(gm, ctx)
+
+
 register_pass(PassSpec(
     name="reshard_after_forward",
-    description="gather each FSDP parameter again for backward so forward's copy is freed "
-                "(follows parallelism.reshard_after_forward; run before bucketing)",
-    # Only the single train-step graph holds both uses; in aot/jit the partitioner decides what backward
-    # saves, and apply_passes skips this pass on their forward/backward graphs.
-    stages=("train_step",),
+    description=f"free gathered parameters after forward, gather again for backward (set by {FLAG})",
+    stages=("train_step", "joint"),
     modes=GRAPH_MODES,
     fn=reshard_after_forward,
+    set_by=FLAG,
 ))

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from ..config import ConfigError, JobConfig
-from .registry import GRAPH_MODES, PassSpec, load_passes
+from .registry import GRAPH_MODES, OPTIONS, OptionSpec, PassSpec, load_passes
 
 
 def _unknown(name: str, known: list[str]) -> ConfigError:
@@ -31,7 +31,11 @@ def _backend_passes(cfg: JobConfig) -> list[str]:
             f"--compile.inductor_compilation {backend} is not available in this install; "
             f"use one of: {', '.join(backend_names())}"
         )
-    return get_backend(backend).pass_names(list(cfg.compile.passes))
+    from .memory_policy import activation_passes
+    from .reshard import parameter_passes
+
+    policy = parameter_passes(cfg) if cfg.compile.mode in GRAPH_MODES else []
+    return policy + activation_passes(cfg) + get_backend(backend).pass_names(list(cfg.compile.passes))
 
 
 def check_passes(cfg: JobConfig, device_type: str) -> None:
@@ -45,6 +49,9 @@ def check_passes(cfg: JobConfig, device_type: str) -> None:
         if name not in passes:
             raise _unknown(name, sorted(passes))
     for name in user:
+        if passes[name].set_by:
+            raise ConfigError(f"pass {name!r} is added by {passes[name].set_by}; remove it from --compile.passes")
+    for name in user:
         if user.count(name) > 1:
             raise ConfigError(f"pass {name!r} is listed {user.count(name)} times in --compile.passes; list it once")
 
@@ -57,9 +64,46 @@ def check_passes(cfg: JobConfig, device_type: str) -> None:
 
     plan = _Plan([passes[n] for n in _backend_passes(cfg)], set(user), mode, backend, device_type)
     plan.check()
+    check_options(cfg, plan)
     for spec in plan.specs:
         for key, value in spec.env_defaults:
             os.environ.setdefault(key, value)
+
+
+def _setting(cfg: JobConfig, flag: str) -> object:
+    section, key = flag.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _as_flag(flag: str, value: object) -> str:
+    if value is True:
+        return f"--{flag}"
+    return f"--{flag} {str(value).lower() if isinstance(value, bool) else value}"
+
+
+def check_options(cfg: JobConfig, plan: "_Plan") -> None:
+    """The declared constraints (registry.OPTIONS) of every lever that is a setting and is on."""
+    for option in OPTIONS:
+        if _setting(cfg, option.flag) == option.on:
+            _check_option(cfg, option, plan)
+
+
+def _check_option(cfg: JobConfig, option: OptionSpec, plan: "_Plan") -> None:
+    lever = _as_flag(option.flag, option.on)
+    if plan.mode not in option.modes:
+        raise ConfigError(f"{lever} does not support --compile.mode {plan.mode}; use --compile.mode "
+                          f"{' or '.join(option.modes)}, or drop {lever}")
+    if plan.backend in option.excluded_backends:
+        raise ConfigError(f"{lever} cannot run with --compile.inductor_compilation {plan.backend}; use another backend "
+                          f"(none, regional or full) or drop {lever}")
+    for spec in plan.specs:
+        if spec.name in option.conflicts:
+            remedy = f"remove {spec.name!r} from --compile.passes" if spec.name in plan.user else "use another backend"
+            raise ConfigError(f"{lever} conflicts with pass {plan.label(spec.name)}; {remedy} or drop {lever}")
+    for flag, value, why in option.requires:
+        if _setting(cfg, flag) != value:
+            raise ConfigError(f"{lever} needs {_as_flag(flag, value)} ({why}); "
+                              f"this job has {_as_flag(flag, _setting(cfg, flag))}")
 
 
 @dataclass
@@ -74,7 +118,9 @@ class _Plan:
 
     def label(self, name: str) -> str:
         """A pass as errors name it: where it did not come from --compile.passes, who added it."""
-        return repr(name) if name in self.user else f"{name!r} (added by --compile.inductor_compilation {self.backend})"
+        if name in self.user:
+            return repr(name)
+        return f"{name!r} (added by {load_passes()[name].set_by or '--compile.inductor_compilation ' + self.backend})"
 
     def check(self) -> None:
         if self.mode not in GRAPH_MODES and self.specs:
@@ -92,6 +138,7 @@ class _Plan:
         spec = self.specs[i]
         if self.mode not in spec.modes:
             remedy = (f"remove {spec.name!r} from --compile.passes" if spec.name in self.user
+                      else f"use another {spec.set_by}" if spec.set_by
                       else f"use another --compile.inductor_compilation than {self.backend}")
             raise ConfigError(
                 f"pass {self.label(spec.name)} does not support --compile.mode {self.mode}; use --compile.mode "

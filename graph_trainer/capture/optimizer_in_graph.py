@@ -1,0 +1,164 @@
+"""`--compile.optimizer_in_graph`: gradient clipping and the AdamW update traced into the aot_fx_trace
+train-step graph, so one graph runs forward, loss, backward, clip and update and the backend compiles
+them together (Inductor can fuse each gradient's producer with its update: no gradient buffer left).
+
+Graph: (*params, *buffers, inputs, labels, *exp_avgs, *exp_avg_sqs, lr, step) -> (loss, grad_norm).
+Parameters and the two moment states are updated in place (`copy_` at the end of the graph). The
+tensors are those of the real `torch.optim.AdamW` the trainer built: its state dict, and so every
+checkpoint, is the eager optimizer's, and a run may save with one and resume with the other. The
+learning rate (the LR scheduler's, from the parameter group) and the step count are graph inputs
+(0-dim float64 tensors), so one graph serves every step.
+
+Numerics follow torch's foreach AdamW without `capturable` (`_multi_tensor_adam`, which the eager
+trainer runs on CPU) op for op: the bias corrections and the step size are computed in float64 as it
+computes them in Python floats, and each op is the same kernel with its scalar rounded to the
+parameter's dtype as the foreach kernels round it. Clipping follows torchtitan's `clip_grad_norm_`:
+the total 2-norm over all gradient shards (with expert parallelism: of the ep and the non-ep
+parameters apart, combined), whose cross-rank reduction is a functional collective in the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..train_step import FunctionalTrainStep, ParamSpec
+from . import CaptureContext
+from .fx_trace import TracedStep
+
+EP_DIM = "ep"
+"""A parameter on a mesh with this dimension is an expert parameter (torchtitan's rule for clipping)."""
+
+
+@dataclass(frozen=True)
+class AdamWHyper:
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    max_norm: float
+    """Clip to this total norm; inf: report the norm, scale nothing (the coefficient clamps to 1)."""
+
+
+def _total_norm(grads: Sequence[DTensor]) -> torch.Tensor:
+    norm = torch.nn.utils.get_total_norm(list(grads), 2.0, False, True)
+    # A sharded gradient's norm is a partial DTensor: full_tensor() is the all-reduce, in the graph.
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def clip_gradients(grads: Sequence[torch.Tensor], specs: Sequence[ParamSpec], max_norm: float, ep_enabled: bool
+                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(total norm, clipped local gradients), as torchtitan's clip_grad_norm_ computes them."""
+    wrapped = [s.wrap(g) for s, g in zip(specs, grads)]
+    if ep_enabled:
+        is_ep = [EP_DIM in (s.mesh.mesh_dim_names or ()) for s in specs]
+        ep_norm = _total_norm([g for g, e in zip(wrapped, is_ep) if e])
+        dense_norm = _total_norm([g for g, e in zip(wrapped, is_ep) if not e])
+        total = (ep_norm**2.0 + dense_norm**2.0) ** 0.5
+    else:
+        total = _total_norm(wrapped)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return total, [g * coef for g in grads]
+
+
+def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 lr: torch.Tensor, step: torch.Tensor, h: AdamWHyper) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One parameter's new (param, exp_avg, exp_avg_sq); `lr` and `step` (the count after this
+    step) are float64 scalars, as the Python floats of torch's non-capturable AdamW."""
+    param = param * (1 - lr * h.weight_decay)
+    exp_avg = torch.lerp(exp_avg, grad, 1 - h.beta1)
+    exp_avg_sq = torch.addcmul(exp_avg_sq * h.beta2, grad, grad, value=1 - h.beta2)
+    step_size = (lr / (1 - torch.pow(h.beta1, step))) * -1
+    bias_correction2_sqrt = (1 - torch.pow(h.beta2, step)) ** 0.5
+    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + h.eps
+    # addcdiv's kernel computes param + (value * exp_avg) / denom with value in the param's dtype.
+    return param + exp_avg * step_size.to(param.dtype) / denom, exp_avg, exp_avg_sq
+
+
+class ClipAndAdamWStep:
+    """The traced function: forward + loss + backward, then clip and update in place."""
+
+    def __init__(self, fn: FunctionalTrainStep, hyper: AdamWHyper, ep_enabled: bool):
+        self.fn, self.hyper, self.ep_enabled = fn, hyper, ep_enabled
+        self.model, self.specs = fn.model, fn.specs
+
+    def __call__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], inputs: torch.Tensor,
+                 labels: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        n = len(params)
+        exp_avgs, exp_avg_sqs, (lr, step) = state[:n], state[n : 2 * n], state[2 * n :]
+        loss, grads = self.fn(params, buffers, inputs, labels)
+        with torch.no_grad():
+            grads = [g.to(p.dtype) for g, p in zip(grads, params)]
+            grad_norm, grads = clip_gradients(grads, self.specs, self.hyper.max_norm, self.ep_enabled)
+            updates = [adamw_update(*args, lr, step, self.hyper) for args in zip(params, grads, exp_avgs, exp_avg_sqs)]
+            # Written back only after every update is computed: the backward above read the old values.
+            for targets, update in zip(zip(params, exp_avgs, exp_avg_sqs), updates):
+                for target, value in zip(targets, update):
+                    target.copy_(value)
+        return loss, [grad_norm]
+
+
+def _adamw(optimizers: Any) -> torch.optim.Optimizer:
+    """The one torch AdamW inside torchtitan's optimizer container."""
+    inner = list(optimizers)
+    assert len(inner) == 1 and isinstance(inner[0], torch.optim.AdamW) and len(inner[0].param_groups) == 1, (
+        "optimizer_in_graph updates one AdamW with one parameter group")
+    return inner[0]
+
+
+class OptimizerInGraphStep(TracedStep):
+    """aot_fx_trace whose graph also clips and updates; `grad_norm` holds the last call's norm.
+
+    The step counts live where the eager AdamW keeps them (one per parameter, `state["step"]`) and
+    are advanced here, outside the graph, as the eager optimizer advances them."""
+
+    def __init__(self, ctx: CaptureContext):
+        super().__init__(ctx)
+        self.optimizer = _adamw(ctx.optimizers)
+        group = self.optimizer.param_groups[0]
+        assert not (group["amsgrad"] or group["maximize"]), "optimizer_in_graph has no amsgrad / maximize"
+        assert [id(p) for p in group["params"]] == [id(p) for p in self.params], "AdamW holds other parameters than the model"
+        max_norm = ctx.cfg.training.max_norm or float("inf")
+        hyper = AdamWHyper(*group["betas"], group["eps"], group["weight_decay"], max_norm)
+        self.fn = ClipAndAdamWStep(self.fn, hyper, ctx.meshes.degrees.ep > 1)
+        self.grad_norm: torch.Tensor | None = None
+        self._init_state(group)
+
+    def _init_state(self, group: dict) -> None:
+        """The state torch's AdamW creates lazily at its first step (a resumed run has it already)."""
+        on_device = group["fused"] or group["capturable"]
+        for p in self.params:
+            state = self.optimizer.state[p]
+            if state:
+                continue
+            if on_device:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            else:
+                scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                state["step"] = torch.tensor(0.0, dtype=scalar, device="cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _states(self) -> list[dict]:
+        # Looked up on every call: loading a checkpoint replaces the optimizer's state tensors.
+        return [self.optimizer.state[p] for p in self.params]
+
+    def _extra_inputs(self) -> list[torch.Tensor]:
+        states = self._states()
+        device = self.ctx.device
+        lr = torch.tensor(self.optimizer.param_groups[0]["lr"], dtype=torch.float64, device=device)
+        step = states[0]["step"].to(device=device, dtype=torch.float64)
+        return [*(s["exp_avg"].to_local() for s in states), *(s["exp_avg_sq"].to_local() for s in states), lr, step]
+
+    def _finish(self, out: Sequence[torch.Tensor]) -> torch.Tensor:
+        self.grad_norm = out[1]
+        return out[0]
+
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for state in self._states():
+                state["step"] += 1
+        return super().__call__(inputs, labels)

@@ -1,0 +1,41 @@
+"""FLOPs of one aten node, from torch's flop formulas: one count for the solver, the scheduling
+passes and the prediction file."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.utils.flop_counter import flop_registry
+
+
+def _cpu_attention_flops(node: fx.Node) -> int | None:
+    """The CPU flash-attention kernels, which the flop registry does not list: two matmuls per query
+    head forward (GQA shares k/v), 2.5x that backward (as the registry counts the GPU kernels)."""
+    name = node.target._opname if isinstance(node.target, torch._ops.OpOverload) else ""
+    if not name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
+        return None
+    backward = name.endswith("_backward")
+    q, k = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in (node.args[1:3] if backward else node.args[:2]))
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return None
+    b, h, sq, d = q.shape
+    forward = 4 * b * h * sq * k.shape[-2] * d
+    return forward * 5 // 2 if backward else forward
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of one call node on its `meta["val"]` shapes (0 for ops without a formula)."""
+    if node.op != "call_function":
+        return 0
+    attention = _cpu_attention_flops(node)
+    if attention is not None:
+        return attention
+    target = node.target
+    formula = flop_registry.get(getattr(target, "overloadpacket", None)) or flop_registry.get(target)
+    if formula is None:
+        return 0
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    try:
+        return int(formula(*args, out_val=node.meta.get("val"), **kwargs))
+    except Exception:  # noqa: BLE001  (a formula that cannot read these shapes counts as no FLOPs)
+        return 0

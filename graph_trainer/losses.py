@@ -1,0 +1,98 @@
+"""The training losses `--training.loss` chooses: plain cross-entropy on the model's logits, or the
+output projection fused with cross-entropy and chunked over tokens.
+
+At a 128k vocabulary the [tokens, vocab] logits are the largest activation of a step (llama3 1B,
+4 x 4096 tokens: 8.4 GiB in fp32). `fused_linear_ce` makes the model's output layer return the final
+hidden state and its (gathered) weight instead of logits; the loss then computes logits, log-softmax,
+NLL and both gradients one chunk of `loss_chunk_tokens` tokens at a time, so at most one chunk's
+logits exist. The gradients are computed in the forward pass, while the chunk's logits are at hand
+(no second projection in backward), and backward only scales them by the incoming gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .train_step import LossFn
+
+IGNORE_INDEX = -100
+"""Label of a token that does not count, as in `torch.nn.functional.cross_entropy`."""
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """mean over counted tokens of -log softmax(hidden @ weight.T)[label], chunked over tokens."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+        counted = labels != IGNORE_INDEX
+        # The mean divides by the counted tokens of the whole batch: every chunk's share is divided by it.
+        count = counted.sum().clamp(min=1).float()
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        # Chunks' weight gradients add up in fp32: in bf16 every addition would round.
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk]
+            target = labels[start : start + chunk].clamp(min=0).unsqueeze(1)
+            keep = counted[start : start + chunk].unsqueeze(1)
+            logp = torch.log_softmax((h @ weight.t()).float(), dim=-1)
+            loss = loss - (logp.gather(1, target) * keep).sum()
+            # d loss / d logits = (softmax - one_hot(label)) / counted tokens, zero on ignored tokens.
+            dlogits = logp.exp_().scatter_add_(1, target, torch.full_like(target, -1.0, dtype=logp.dtype))
+            dlogits = (dlogits * keep / count).to(hidden.dtype)
+            grad_hidden[start : start + chunk] = dlogits @ weight
+            grad_weight += (dlogits.t() @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return loss / count
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), None, None
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """cross_entropy(hidden @ weight.T, labels) without the whole logits: hidden [tokens, dim],
+    weight [vocab, dim], labels [tokens]; `chunk` tokens' logits at a time."""
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk)
+
+
+class FusedLinearCrossEntropy:
+    """The loss of a model whose output layer returns (final hidden state, output weight)."""
+
+    def __init__(self, chunk_tokens: int):
+        self.chunk_tokens = chunk_tokens
+
+    def __call__(self, output: tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        hidden, weight = output
+        return fused_linear_cross_entropy(hidden.flatten(0, 1), weight, labels.flatten(0, 1), self.chunk_tokens)
+
+
+_HIDDEN_OUTPUT_CLASSES: dict[type, type] = {}
+
+
+def _hidden_output_forward(self: nn.Linear, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Reading `self.weight` is what gathers it under SimpleFSDP (and reduce-scatters its gradient).
+    return hidden, self.weight
+
+
+def _hidden_output_class(cls: type) -> type:
+    if cls not in _HIDDEN_OUTPUT_CLASSES:
+        _HIDDEN_OUTPUT_CLASSES[cls] = type(f"HiddenOutput{cls.__name__}", (cls,), {"forward": _hidden_output_forward})
+    return _HIDDEN_OUTPUT_CLASSES[cls]
+
+
+def build_loss(name: str, model: nn.Module, chunk_tokens: int) -> LossFn:
+    """The loss function for `--training.loss`. For fused_linear_ce the model's `output` layer (after
+    placement, so its parameter names and sharding stay) is switched to return its input and weight."""
+    if name == "cross_entropy":
+        return cross_entropy
+    output = model.output
+    assert isinstance(output, nn.Linear) and output.bias is None, "fused_linear_ce needs a bias-free nn.Linear output layer"
+    output.__class__ = _hidden_output_class(type(output))
+    return FusedLinearCrossEntropy(chunk_tokens)

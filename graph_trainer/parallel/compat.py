@@ -1,0 +1,38 @@
+"""torch's fake process group (a private testing module) and what callers ask of it.
+
+On the fake process group one process stands in for one rank of a larger job: meshes, shards and
+collective shapes are those of that rank, but collectives move no data, so what they return is
+uninitialised memory. `graph-trainer train --comm.mode fake`, `graph-trainer plan` and fake-mesh
+traces all build on it.
+
+Also the private Tensor attribute eager resharding (simple_fsdp.reshard_after_forward) finds views with.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def init_fake_process_group(world_size: int, rank: int = 0) -> None:
+    """Make this process rank `rank` of `world_size` ranks on the fake process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def is_fake_process_group() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def is_lead_process() -> bool:
+    """Whether this process writes the run's files and solves its plan: rank 0 of a real job, or the
+    one process of a fake one (whichever rank it simulates)."""
+    return not dist.is_initialized() or dist.get_rank() == 0 or is_fake_process_group()
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `t` is a view of (`Tensor._base`), or None."""
+    return t._base

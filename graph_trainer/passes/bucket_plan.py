@@ -1,0 +1,183 @@
+"""Planning: which collectives share a bucket, where each bucket is issued and waited for, and the
+step time the cost model expects from the plan (the one estimator the scheduling passes, the
+autoparallel backend and the run's prediction file use)."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import fx
+
+from .collectives import Collective, find_collectives
+from .cost_model import CostModel, Timeline, Transfer, prefix_times, simulate
+
+
+@dataclass
+class Bucket:
+    members: list[Collective]
+    issue: int = 0
+    wait: int = 0
+
+    @property
+    def kind(self) -> str:
+        return self.members[0].kind
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.members)
+
+    @property
+    def need(self) -> int:
+        return min(m.need for m in self.members)
+
+    @property
+    def ready(self) -> int:
+        return max(m.ready for m in self.members)
+
+
+@dataclass
+class Layout:
+    """The graph's positions as the planners see them: collective nodes and the chains that move
+    with them take no compute time and are never used as anchors."""
+
+    order: list[fx.Node]
+    prefix: list[float]
+    stable: list[int]
+    """Positions of nodes that stay where they are (anchors for inserted nodes), ascending."""
+
+    def anchor(self, position: int) -> fx.Node:
+        i = bisect.bisect_left(self.stable, position)
+        return self.order[self.stable[min(i, len(self.stable) - 1)]]
+
+    def latest_at_or_before(self, time_s: float, lo: int, hi: int) -> int:
+        """The last position in [lo, hi] compute reaches no later than `time_s` (lo if none)."""
+        p = bisect.bisect_right(self.prefix, time_s) - 1
+        return max(lo, min(p, hi))
+
+    def first_at_or_after(self, time_s: float, lo: int, hi: int) -> int:
+        p = bisect.bisect_left(self.prefix, time_s)
+        return max(lo, min(p, hi))
+
+
+def layout(gm: fx.GraphModule, colls: list[Collective], model: CostModel) -> Layout:
+    order = list(gm.graph.nodes)
+    moving = {c.start for c in colls} | {c.wait for c in colls}
+    for c in colls:
+        moving.update(c.chain)
+    times = [0.0 if n in moving else model.node_time(n) for n in order]
+    stable = [i for i, n in enumerate(order) if n not in moving and n.op != "placeholder"]
+    return Layout(order, prefix_times(times), stable)
+
+
+def size_runs(colls: list[Collective], cap: Callable[[Collective], int]) -> list[Bucket]:
+    """Consecutive collectives (all-gathers by first use, reduce-scatters by readiness) of one key
+    share a bucket until it holds `cap(first member)` bytes."""
+    buckets: list[Bucket] = []
+    for kind, sort_key in (("all_gather", "need"), ("reduce_scatter", "ready")):
+        current: list[Collective] = []
+        for c in sorted((c for c in colls if c.kind == kind), key=lambda c: getattr(c, sort_key)):
+            if current and (c.key != current[0].key or sum(m.nbytes for m in current) >= cap(current[0])):
+                buckets.append(Bucket(current))
+                current = []
+            current.append(c)
+        if current:
+            buckets.append(Bucket(current))
+    return buckets
+
+
+def place(buckets: list[Bucket], lay: Layout, model: CostModel) -> None:
+    """Issue points and waits from the model.
+
+    All-gathers: as late as still hides each bucket's estimated time behind compute before its first
+    use, given that the buckets run one after another (walked from the last bucket back), then
+    pushed later where more than `max_in_flight_bytes` would be in flight. Waits sit at the first use.
+    Reduce-scatters: issued as soon as the last gradient of the bucket exists; the wait goes where the
+    model expects it done, which frees the gradient buffers early without stalling.
+    """
+    gathers = sorted((b for b in buckets if b.kind == "all_gather"), key=lambda b: b.need)
+    latest_finish = float("inf")
+    for b in reversed(gathers):
+        finish = min(lay.prefix[b.need], latest_finish)
+        start_by = finish - _comm_time(b, model)
+        b.issue = lay.latest_at_or_before(start_by, b.ready, b.need)
+        b.wait = b.need
+        latest_finish = start_by
+    cap = model.hw.max_in_flight_bytes
+    for k, b in enumerate(gathers):
+        b.issue = max(b.issue, gathers[k - 1].issue if k else b.issue)
+        while True:
+            in_flight = [g for g in gathers[:k] if g.issue <= b.issue < g.need]
+            if not in_flight or sum(g.nbytes for g in in_flight) + b.nbytes <= cap:
+                break
+            b.issue = min(g.need for g in in_flight)
+    comm_free = 0.0
+    end = len(lay.order) - 1
+    for b in sorted((b for b in buckets if b.kind == "reduce_scatter"), key=lambda b: b.ready):
+        b.issue = b.ready
+        comm_free = max(lay.prefix[b.issue], comm_free) + _comm_time(b, model)
+        b.wait = lay.first_at_or_after(comm_free, b.issue, end)
+
+
+def _comm_time(b: Bucket, model: CostModel) -> float:
+    first = b.members[0]
+    return model.collective_time(b.kind, b.nbytes, first.group_size, first.group_name)
+
+
+def transfers(buckets: list[Bucket], model: CostModel) -> list[Transfer]:
+    out = []
+    for b in buckets:
+        merged = len(b.members) > 1
+        ranks = b.members[0].group_size
+        if b.kind == "all_gather":
+            copy_in, copy_out = model.copy_time(b.nbytes // ranks), model.copy_time(b.nbytes)
+        else:
+            copy_in, copy_out = model.copy_time(b.nbytes), 0.0
+        out.append(Transfer(b.issue, b.wait, _comm_time(b, model),
+                            model.hw.launch_s + (copy_in if merged else 0.0), copy_out if merged else 0.0))
+    return out
+
+
+def estimate(buckets: list[Bucket], lay: Layout, model: CostModel) -> Timeline:
+    return simulate(lay.prefix, transfers(buckets, model))
+
+
+def saturating_cap(model: CostModel, scale: float = 1.0) -> Callable[[Collective], int]:
+    def cap(c: Collective) -> int:
+        size = model.saturating_bytes(c.kind, c.group_size, c.group_name) * scale
+        return int(min(size, model.hw.max_bucket_bytes))
+
+    return cap
+
+
+BUCKET_SCALES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+"""Bucket sizes autoparallel_scheduling tries, as multiples of the bandwidth-saturating size."""
+
+
+def choose_buckets(colls: list[Collective], lay: Layout, model: CostModel) -> list[Bucket]:
+    """The bucketing with the lowest simulated step time (fewer collectives on ties)."""
+    best: tuple[float, int] | None = None
+    chosen: list[Bucket] = []
+    for scale in BUCKET_SCALES:
+        buckets = size_runs(colls, saturating_cap(model, scale))
+        place(buckets, lay, model)
+        score = (round(estimate(buckets, lay, model).step_s, 9), len(buckets))
+        if best is None or score < best:
+            best, chosen = score, buckets
+    return chosen
+
+
+def saturating_plan(gm: fx.GraphModule, model: CostModel) -> tuple[list[Bucket], Layout]:
+    """`auto_bucketing`'s plan: the graph's FSDP collectives bucketed to the saturating size and
+    placed to overlap compute."""
+    colls = find_collectives(gm)
+    lay = layout(gm, colls, model)
+    buckets = size_runs(colls, saturating_cap(model))
+    place(buckets, lay, model)
+    return buckets, lay
+
+
+def planned_step(gm: fx.GraphModule, model: CostModel) -> Timeline:
+    """The step `auto_bucketing` expects for this graph (compute alone without FSDP collectives)."""
+    return estimate(*saturating_plan(gm, model), model)

@@ -1,0 +1,124 @@
+"""Discovery: the FSDP collectives of a traced graph (parameter all-gathers and gradient
+reduce-scatters) with the positions the schedulers may move them between."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from .bucketing_compat import ALL_GATHER, REDUCE_SCATTER, WAIT, is_fsdp_all_gather, is_fsdp_reduce_scatter
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Collective:
+    """One FSDP all-gather or gradient reduce-scatter and its wait, at positions in graph order."""
+
+    start: fx.Node
+    wait: fx.Node
+    kind: str
+    key: tuple
+    """What must match to share a bucket: kind, group, its size, dtype, reduce op, forward/backward."""
+    nbytes: int
+    """Unsharded bytes: the gathered output, or the reduce-scatter's input."""
+    ready: int
+    """First position it may be issued at."""
+    need: int
+    """Position of its first consumer."""
+    chain: list[fx.Node]
+    """All-gather: the nodes between its parameter input and it (moved earlier with it).
+    Reduce-scatter: the one-input nodes between its result and the graph output (moved later)."""
+    at: tuple[int, int] = (0, 0)
+    """Positions of its issue and wait in the traced graph (the unscheduled baseline)."""
+    placeholder: fx.Node | None = None
+    output_index: int | None = None
+
+    @property
+    def group_size(self) -> int:
+        return self.key[2]
+
+    @property
+    def group_name(self) -> str:
+        return self.key[1]
+
+
+def _ancestors_to_placeholder(node: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
+    seen: dict[fx.Node, None] = {}
+    stack = list(node.all_input_nodes)
+    placeholder = None
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen[n] = None
+        if n.op == "placeholder":
+            placeholder = n
+        else:
+            stack.extend(n.all_input_nodes)
+    return placeholder, [n for n in seen if n.op != "placeholder"]
+
+
+def _descendants_to_output(node: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
+    """The one-input chain below `node` and the value of it the graph returns."""
+    chain: list[fx.Node] = []
+    returned = None
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if user.op == "output":
+                returned = n
+            elif user not in chain:
+                chain.append(user)
+                stack.append(user)
+    return chain, returned
+
+
+def forward_end(gm: fx.GraphModule) -> int:
+    """Position of the loss in a train-step graph (forward before it, backward after); the end of
+    the graph when the first output is not a loss computed in the graph."""
+    order = list(gm.graph.nodes)
+    outputs = order[-1].args[0]
+    first = outputs[0] if isinstance(outputs, (list, tuple)) and outputs else None
+    while isinstance(first, fx.Node) and first.target in (aten.detach.default, aten.alias.default):
+        first = first.args[0]
+    if not isinstance(first, fx.Node) or first.op == "placeholder":
+        return len(order)
+    return order.index(first)
+
+
+def find_collectives(gm: fx.GraphModule) -> list[Collective]:
+    order = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    boundary = forward_end(gm)
+    outputs = order[-1].args[0]
+    out_index = {n: i for i, n in enumerate(outputs) if isinstance(n, fx.Node)} if isinstance(outputs, (list, tuple)) else {}
+    found = []
+    for node in order:
+        if node.op != "call_function" or node.target not in (ALL_GATHER, REDUCE_SCATTER):
+            continue
+        waits = [u for u in node.users if u.target is WAIT]
+        if len(waits) != 1 or len(node.users) != 1:
+            continue
+        wait, val = waits[0], node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        if node.target is ALL_GATHER and is_fsdp_all_gather(node):
+            _, group_size, group_name = node.args
+            placeholder, chain = _ancestors_to_placeholder(node)
+            need = min((pos[u] for u in wait.users), default=len(order) - 1)
+            key = ("all_gather", group_name, group_size, val.dtype, None, need <= boundary)
+            found.append(Collective(node, wait, "all_gather", key, val.numel() * val.element_size(),
+                                    pos[placeholder] + 1, need, chain, (pos[node], pos[wait]), placeholder=placeholder))
+        elif node.target is REDUCE_SCATTER and is_fsdp_reduce_scatter(node):
+            source, reduce_op, group_size, group_name = node.args
+            src_val = source.meta["val"]
+            chain, returned = _descendants_to_output(wait)
+            key = ("reduce_scatter", group_name, group_size, val.dtype, reduce_op, False)
+            found.append(Collective(node, wait, "reduce_scatter", key, src_val.numel() * src_val.element_size(),
+                                    pos[source] + 1, len(order) - 1, chain, (pos[node], pos[wait]),
+                                    output_index=out_index.get(returned)))
+    return found

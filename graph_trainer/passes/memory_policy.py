@@ -1,0 +1,443 @@
+"""memory_policy: for every activation the backward needs, save it or recompute it in backward.
+
+An activation is a forward value of the train-step graph that backward reads and that is computed
+from the batch (values computed from parameters alone, such as gathered weights and their casts, are
+`reshard_after_forward`'s business). Saving it costs its bytes from forward to backward; recomputing
+it costs the time of the ops that rebuild it from values that are saved anyway. The policy chooses,
+then the rewrite duplicates each recomputed chain just before its first backward use, so the
+forward copy dies after its last forward use. Recomputation repeats the same ops on the same inputs,
+so the step's results are bitwise those of the graph without the pass.
+
+Two policies:
+- `memory_budget` (`--activation_checkpoint.mode memory_budget`): greedy under a budget. The
+  activation budget is `--activation_checkpoint.memory_budget` minus what the step keeps anyway
+  (parameters, gradients and the two AdamW moments, all of the parameter shards' size). While the
+  activations saved across the loss exceed it, recompute the storage that frees the most bytes per
+  second of recomputation (time from the cost model's roofline), re-scoring lazily.
+- `op` (`--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op`):
+  torchtitan's op-level policy on each transformer block: save the outputs of the ops on its save
+  list (every other matmul, attention, ...), recompute the rest; a block's outputs are saved.
+
+Offloading to host memory is not done (`ac_offloaded_gib` is always 0): no transfer is scheduled
+behind compute yet, and an unhidden one costs more than recomputing these activations.
+
+The chosen policy goes into the log, into `ctx.report` (the step-1 metrics record's `ac_*` keys) and
+into the `memory_policy` stage of the graph dumps, where every recomputed node is named
+`recompute_<forward name>` and carries `node.meta["memory_policy"] = "recomputed"`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from ..graph_dump import nbytes
+from ..parallel import BLOCK_KEY, OP_SAC_SAVE_LIST
+from ..units import GiB
+from .bucketing import forward_end
+from .cost_model import CostModel
+from .registry import PassContext, PassSpec, register_pass
+
+logger = logging.getLogger("graph_trainer")
+
+RECOMPUTED = "recomputed"
+
+
+def policy_name(cfg: Any) -> str | None:
+    """Which policy the config asks of this pass, or None (op-level selective AC in aot is torch's
+    own: the partitioner reads the tags torchtitan's wrappers set)."""
+    ac = cfg.activation_checkpoint
+    if ac.mode == "memory_budget":
+        return "memory_budget"
+    if ac.mode == "selective" and ac.selective_ac_option == "op" and cfg.compile.mode == "aot_fx_trace":
+        return "op"
+    return None
+
+
+def activation_passes(cfg: Any) -> list[str]:
+    """The passes `--activation_checkpoint` adds in front of the backend's (validated with them)."""
+    return ["memory_policy"] if policy_name(cfg) else []
+
+
+def _alias_of(node: fx.Node) -> fx.Node | None:
+    """The node whose storage `node`'s value lives in: views, in-place ops, tuple items."""
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        return node.args[0]
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and (target.is_view or target._schema.is_mutable):
+        first = node.args[0] if node.args else None
+        return first if isinstance(first, fx.Node) else None
+    return None
+
+
+def _mutates(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+
+
+def _argument(node: fx.Node, name: str) -> Any:
+    """The value of an op's argument by schema name (its default when not passed); None if it has none."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            if name in node.kwargs:
+                return node.kwargs[name]
+            return node.args[i] if i < len(node.args) else arg.default_value
+    return None
+
+
+def _is_collective(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.namespace in ("_c10d_functional", "c10d_functional")
+
+
+class Activations:
+    """What the train-step graph keeps across the loss, and what could be recomputed instead.
+
+    `batch` are the placeholders of the batch (inputs, labels): values that depend on none of them
+    are parameter-derived and neither counted nor recomputed."""
+
+    def __init__(self, gm: fx.GraphModule, batch: set[fx.Node]):
+        self.order = list(gm.graph.nodes)
+        self.pos_of_loss = boundary = forward_end(gm)
+        self.pos = {n: i for i, n in enumerate(self.order)}
+        depends = set(batch)
+        for node in self.order:
+            if node.op == "call_function" and any(i in depends for i in node.all_input_nodes):
+                depends.add(node)
+        self.forward = {n for n in self.order[: boundary + 1] if n.op == "call_function" and n in depends}
+        self.roots: dict[fx.Node, fx.Node] = {}
+        for node in self.order:
+            alias = _alias_of(node)
+            self.roots[node] = self.roots.get(alias, alias) if alias is not None else node
+        self.by_root: dict[fx.Node, list[fx.Node]] = {}
+        for node in self.forward:
+            self.by_root.setdefault(self.roots[node], []).append(node)
+        mutated = {self.roots[n.args[0]] for n in self.order if _mutates(n) and n.args and isinstance(n.args[0], fx.Node)}
+        self.recomputable = {n for n in self.forward if self._recomputable(n, mutated)}
+
+    def _recomputable(self, node: fx.Node, mutated: set[fx.Node]) -> bool:
+        target = node.target
+        if target is operator.getitem:
+            return True
+        if not isinstance(target, torch._ops.OpOverload) or _is_collective(node) or _mutates(node):
+            return False
+        if torch.Tag.nondeterministic_seeded in target.tags and _argument(node, "dropout_p") != 0:
+            return False
+        # A storage written in place after `node` read it would give a recomputation other inputs;
+        # views read it when used, so recomputing a view sees what the original view saw.
+        return target.is_view or not any(self.roots[i] in mutated for i in node.all_input_nodes) and self.roots[node] not in mutated
+
+    def is_backward(self, node: fx.Node) -> bool:
+        return node.op == "call_function" and self.pos[node] > self.pos_of_loss
+
+    def root_bytes(self, root: fx.Node) -> int:
+        return nbytes(root.meta.get("val")) if root in self.forward else 0
+
+
+@dataclass
+class Policy:
+    recompute: set[fx.Node]
+    saved_bytes: int
+    baseline_bytes: int
+    recompute_s: float
+
+
+class _Ledger:
+    """The saved set of a recompute set, kept incrementally: a forward value is saved when it is not
+    recomputed and a backward op or a recomputed op reads it; a storage is held while any value in it
+    is saved."""
+
+    def __init__(self, acts: Activations):
+        self.acts = acts
+        self.rc: set[fx.Node] = set()
+        boundary = acts.pos_of_loss
+        self.readers = {n: sum(1 for u in n.users if acts.pos[u] > boundary and u.op == "call_function") for n in acts.forward}
+        self.held: dict[fx.Node, int] = {}
+        for n, count in self.readers.items():
+            if count:
+                self.held[acts.roots[n]] = self.held.get(acts.roots[n], 0) + 1
+        self.bytes = sum(acts.root_bytes(r) for r in self.held)
+
+    def saved(self, node: fx.Node) -> bool:
+        return node in self.readers and node not in self.rc and self.readers[node] > 0
+
+    def closure(self, starts: list[fx.Node], stop: Callable[[fx.Node], bool]) -> set[fx.Node] | None:
+        """The values to recompute to rebuild `starts`, going back until saved values, parameters or
+        values `stop` keeps; None when a start cannot be recomputed."""
+        if any(n not in self.acts.recomputable for n in starts):
+            return None
+        todo, chain = list(starts), set()
+        while todo:
+            node = todo.pop()
+            if node in chain or node in self.rc:
+                continue
+            chain.add(node)
+            for i in node.all_input_nodes:
+                # An intermediate that cannot be recomputed is saved instead (`delta` counts it).
+                if i in self.acts.recomputable and i not in self.rc and not self.saved(i) and not stop(i):
+                    todo.append(i)
+        return chain
+
+    def delta(self, chain: set[fx.Node]) -> int:
+        """Change in held bytes if `chain` were recomputed."""
+        change: dict[fx.Node, int] = {}
+        for node in chain:
+            if self.saved(node):
+                change[self.acts.roots[node]] = change.get(self.acts.roots[node], 0) - 1
+            for i in node.all_input_nodes:
+                if i in self.acts.forward and i not in chain and i not in self.rc and not self.saved(i):
+                    change[self.acts.roots[i]] = change.get(self.acts.roots[i], 0) + 1
+        total = 0
+        for root, d in change.items():
+            before = self.held.get(root, 0)
+            if before == 0 and d > 0:
+                total += self.acts.root_bytes(root)
+            elif before > 0 and before + d <= 0:
+                total -= self.acts.root_bytes(root)
+        return total
+
+    def apply(self, chain: set[fx.Node]) -> list[fx.Node]:
+        """Recompute `chain`; returns the values that became saved."""
+        newly = []
+        for node in chain:
+            if self.saved(node):
+                self._release(node)
+        self.rc |= chain
+        for node in chain:
+            for i in node.all_input_nodes:
+                if i in self.readers and i not in self.rc:
+                    if self.readers[i] == 0:
+                        root = self.acts.roots[i]
+                        if self.held.get(root, 0) == 0:
+                            self.bytes += self.acts.root_bytes(root)
+                        self.held[root] = self.held.get(root, 0) + 1
+                        newly.append(i)
+                    self.readers[i] += 1
+        return newly
+
+    def _release(self, node: fx.Node) -> None:
+        root = self.acts.roots[node]
+        self.held[root] -= 1
+        if self.held[root] == 0:
+            self.bytes -= self.acts.root_bytes(root)
+
+    def members(self, root: fx.Node) -> list[fx.Node]:
+        return [n for n in self.acts.by_root.get(root, ()) if self.saved(n)]
+
+
+def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callable[[fx.Node], float]) -> Policy:
+    """Greedy: while the held bytes exceed the budget, recompute the held storage with the most bytes
+    freed per second of recomputation (scores refreshed lazily: a popped candidate whose fresh score
+    is below the next one's goes back into the heap)."""
+    ledger = _Ledger(acts)
+    baseline = ledger.bytes
+    keep = lambda n: False  # noqa: E731  (the budget policy may recompute through any intermediate)
+
+    def score(root: fx.Node) -> tuple[float, set[fx.Node]] | None:
+        members = ledger.members(root)
+        chain = ledger.closure(members, keep) if members else None
+        if not chain:
+            return None
+        freed = -ledger.delta(chain)
+        if freed <= 0:
+            return None
+        return freed / max(sum(node_time(n) for n in chain), 1e-12), chain
+
+    heap: list[tuple[float, int, fx.Node]] = []
+
+    def push(root: fx.Node) -> None:
+        found = score(root)
+        if found is not None:
+            heapq.heappush(heap, (-found[0], acts.pos[root], root))
+
+    for root in list(ledger.held):
+        push(root)
+    while ledger.bytes > budget_bytes and heap:
+        _, _, root = heapq.heappop(heap)
+        found = score(root)
+        if found is None:
+            continue
+        if heap and found[0] < -heap[0][0]:
+            heapq.heappush(heap, (-found[0], acts.pos[root], root))
+            continue
+        for new in ledger.apply(found[1]):
+            push(acts.roots[new])
+    return Policy(ledger.rc, ledger.bytes, baseline, sum(node_time(n) for n in ledger.rc))
+
+
+def plan_op_policy(acts: Activations, save_ops: set[Any], node_time: Callable[[fx.Node], float]) -> Policy:
+    """torchtitan's op-level SAC, per block (`node.meta["custom"]["ac_block"]`): keep the outputs of
+    `save_ops` (of matmuls only the 1st, 3rd, ... of each block, as torchtitan counts them) and the
+    values a block hands to other code; recompute every other recomputable op of the blocks."""
+    block_of = {n: n.meta.get("custom", {}).get(BLOCK_KEY) for n in acts.forward}
+    mm_count: dict[Any, int] = {}
+    keep: set[fx.Node] = set()
+    for node in acts.order:
+        block = block_of.get(node)
+        if block is None:
+            continue
+        if node.target is torch.ops.aten.mm.default:
+            mm_count[block] = mm_count.get(block, 0) + 1
+            if mm_count[block] % 2:
+                keep.add(node)
+        elif node.target in save_ops:
+            keep.add(node)
+        if any(block_of.get(u) != block for u in node.users if u in acts.forward):
+            keep.add(node)
+    ledger = _Ledger(acts)
+    baseline = ledger.bytes
+    stop = lambda n: block_of.get(n) is None or n in keep  # noqa: E731
+    for node in acts.order:
+        if block_of.get(node) is not None and node not in keep and ledger.saved(node):
+            chain = ledger.closure([node], stop)
+            if chain:
+                ledger.apply(chain)
+    return Policy(ledger.rc, ledger.bytes, baseline, sum(node_time(n) for n in ledger.rc))
+
+
+def recompute_in_backward(gm: fx.GraphModule, acts: Activations, recompute: set[fx.Node]) -> fx.GraphModule:
+    """Point every backward read of a recomputed value at a copy of its chain, emitted just before
+    the first backward op that needs it (and shared by later ones)."""
+    graph = gm.graph
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def materialize(node: fx.Node) -> fx.Node:
+        if node not in recompute:
+            return node
+        if node not in copies:
+            for i in node.all_input_nodes:
+                materialize(i)
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: copies.get(n, n))
+            new = graph.create_node("call_function", node.target, args, kwargs, name=f"recompute_{node.name}")
+            new.meta = {**node.meta, "memory_policy": RECOMPUTED}
+            copies[node] = new
+        return copies[node]
+
+    for node in list(graph.nodes):
+        if not acts.is_backward(node):
+            continue
+        wanted = [i for i in node.all_input_nodes if i in recompute]
+        if not wanted:
+            continue
+        with graph.inserting_before(node):
+            for i in wanted:
+                node.replace_input_with(i, materialize(i))
+    # Forward values only backward read are now computed for nothing.
+    for node in reversed(acts.order):
+        if node in recompute and not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def recomputed_bytes(acts: Activations, recompute: set[fx.Node]) -> int:
+    """Bytes the recomputation writes again: the storages of recomputed ops that own one."""
+    return sum(acts.root_bytes(n) for n in recompute if acts.roots[n] is n)
+
+
+def state_bytes(ctx: PassContext) -> int:
+    """What the step holds besides activations: parameter shards, their gradients, two AdamW moments."""
+    return 4 * sum(nbytes(t) for t in ctx.example_inputs[: ctx.num_params])
+
+
+def activation_budget(ctx: PassContext) -> float:
+    """`--activation_checkpoint.memory_budget` less what the step holds besides activations."""
+    from ..autoparallel.entry import device_memory_bytes, parse_memory_budget
+
+    total = parse_memory_budget(ctx.cfg.activation_checkpoint.memory_budget, device_memory_bytes(), flag=BUDGET_FLAG)
+    return total - state_bytes(ctx)
+
+
+def _batch_placeholders(gm: fx.GraphModule, ctx: PassContext) -> set[fx.Node]:
+    """The inputs and labels: the two graph inputs after the parameters and buffers."""
+    first = ctx.num_params + ctx.num_buffers
+    return set(gm.graph.find_nodes(op="placeholder")[first : first + 2])
+
+
+def _log(name: str, saved: int, baseline: int, recomputed: int, budget: float | None, extra: str = "") -> None:
+    fits = "" if budget is None or saved <= budget else " (over it: nothing more can be recomputed)"
+    logger.info(
+        f"memory policy {name}: activations saved {saved / GiB:.3f} GiB of {baseline / GiB:.3f}, recomputed "
+        f"{recomputed / GiB:.3f} GiB{extra}, offloaded 0 GiB"
+        + (f"; activation budget {budget / GiB:.3f} GiB{fits}" if budget is not None else "")
+    )
+
+
+def _report(ctx: PassContext, saved: int, recomputed: int, budget: float | None, **more: float) -> None:
+    report = {"ac_saved_gib": saved / GiB, "ac_recomputed_gib": recomputed / GiB, "ac_offloaded_gib": 0.0, **more}
+    if budget is not None:
+        report["ac_budget_gib"] = budget / GiB
+    ctx.report.setdefault("memory_policy", {}).update(report)
+
+
+def _train_step(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    name = policy_name(ctx.cfg)
+    acts = Activations(gm, _batch_placeholders(gm, ctx))
+    node_time = CostModel.for_context(ctx).node_time
+    budget = activation_budget(ctx) if name == "memory_budget" else None
+    if budget is not None:
+        policy = plan_memory_budget(acts, budget, node_time)
+    else:
+        policy = plan_op_policy(acts, OP_SAC_SAVE_LIST, node_time)
+    recomputed = recomputed_bytes(acts, policy.recompute)
+    recompute_in_backward(gm, acts, policy.recompute)
+    _report(ctx, policy.saved_bytes, recomputed, budget, ac_baseline_gib=policy.baseline_bytes / GiB, ac_recompute_s=policy.recompute_s)
+    _log(name, policy.saved_bytes, policy.baseline_bytes, recomputed, budget, f" (est. {policy.recompute_s * 1e3:.1f} ms)")
+    return gm
+
+
+def _joint(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """aot: the min-cut partitioner decides, under its activation memory budget knob (the share of the
+    activations its default partition saves), set from our budget on the joint graph's activations."""
+    acts = Activations(gm, _batch_placeholders(gm, ctx))
+    baseline = _Ledger(acts).bytes
+    budget = activation_budget(ctx)
+    share = min(1.0, max(0.0, budget / baseline)) if baseline else 1.0
+    first = next(n for n in gm.graph.nodes if n.op == "call_function")
+    first.meta[PARTITIONER_BUDGET_META] = share
+    _report(ctx, 0, 0, budget, ac_baseline_gib=baseline / GiB, ac_partitioner_budget=share)
+    return gm
+
+
+def _forward(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """aot: what the partitioner chose, read off the forward graph: its outputs after the loss are
+    what backward gets; those computed from the batch are the saved activations."""
+    acts = Activations(gm, _batch_placeholders(gm, ctx))
+    outputs = next(n for n in reversed(acts.order) if n.op == "output").args[0]
+    roots = {acts.roots[n] for n in outputs[1:] if isinstance(n, fx.Node)}
+    saved = sum(acts.root_bytes(r) for r in roots)
+    report = ctx.report.get("memory_policy", {})
+    baseline = int(report.get("ac_baseline_gib", 0) * GiB)
+    budget = report.get("ac_budget_gib")
+    _report(ctx, saved, max(0, baseline - saved), None if budget is None else budget * GiB)
+    _log("memory_budget", saved, baseline, max(0, baseline - saved), None if budget is None else budget * GiB,
+         f" (min-cut partitioner at budget share {report.get('ac_partitioner_budget', 1.0):.2f})")
+    return gm
+
+
+def memory_policy(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    return {"train_step": _train_step, "joint": _joint, "forward": _forward}[ctx.stage](gm, ctx)
+
+
+PARTITIONER_BUDGET_META = "memory_budget"
+"""node.meta key the min-cut partitioner reads its activation memory budget from (torch's own knob)."""
+BUDGET_FLAG = "--activation_checkpoint.memory_budget"
+
+register_pass(PassSpec(
+    name="memory_policy",
+    description="save or recompute each activation for backward (set by --activation_checkpoint.mode "
+                "memory_budget, or selective op in aot_fx_trace)",
+    stages=("train_step", "joint", "forward"),
+    modes=("aot", "aot_fx_trace"),
+    fn=memory_policy,
+    set_by="--activation_checkpoint.mode",
+))

@@ -1,0 +1,57 @@
+"""`<dump_folder>/prediction.json`: what the cost model expects of the run's step, for the real job
+of the mesh (world size from the mesh degrees; links by `--compile.hardware`: NVLink inside nodes of
+8 GPUs, InfiniBand across), also when a fake process group simulates that job on one device.
+
+It is read from the estimates `apply_passes` records for each captured graph before the passes run
+(passes/step_estimate.py): the train-step graph (aot_fx_trace), the joint graph (aot), or forward +
+backward summed (jit). `compute_ms` is compute alone, `comm_ms` every collective in series,
+`exposed_comm_ms` = `step_ms` - `compute_ms` with the FSDP collectives bucketed and overlapped as
+`auto_bucketing` plans them. Eager captures no graph and writes no file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .passes.registry import ESTIMATES
+from .units import GiB
+
+
+def predict(world_size: int) -> dict[str, Any] | None:
+    """prediction.json's content from the latest capture's estimates (None without graphs)."""
+    whole = next((s for s in ("train_step", "joint") if s in ESTIMATES), None)
+    estimates = [ESTIMATES[whole]] if whole else [ESTIMATES[s] for s in ("forward", "backward") if s in ESTIMATES]
+    if not estimates:
+        return None
+    memory: dict[str, float] = {}
+    for e in estimates:
+        for k, v in e.memory.items():
+            memory[k] = max(memory.get(k, 0.0), v)
+    hw = estimates[0].hardware
+    step = sum(e.step_s for e in estimates)
+    compute = sum(e.compute_s for e in estimates)
+    return {
+        "hardware": hw["hardware"],
+        "bandwidths": {"intra_node_GBps": hw["intra_node_GBps"], "inter_node_GBps": hw["inter_node_GBps"]},
+        "world_size": world_size,
+        "graphs": [e.stage for e in estimates],
+        "compute_ms": compute * 1e3,
+        "comm_ms": sum(e.comm_s for e in estimates) * 1e3,
+        "exposed_comm_ms": (step - compute) * 1e3,
+        "step_ms": step * 1e3,
+        "memory_gib": {**{k: v / GiB for k, v in memory.items()}, "total": sum(memory.values()) / GiB},
+    }
+
+
+def write_prediction(dump_folder: str, world_size: int) -> dict[str, Any] | None:
+    """Write prediction.json for the step the run captured (nothing in eager); returns its content."""
+    pred = predict(world_size)
+    # consumed: a later run in this process (tests) must not find this capture's estimates
+    ESTIMATES.clear()
+    if pred is not None:
+        path = Path(dump_folder) / "prediction.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(pred, indent=1) + "\n")
+    return pred

@@ -1,0 +1,54 @@
+"""Auto placement runs the ops it traced at one batch shape: a batch of another shape stops with one
+clear error in every mode instead of running a stale plan, and regional Inductor (which finds no
+marked region in auto-placed blocks) is refused up front."""
+
+import subprocess
+import sys
+
+from helpers import REPO, child_env, launch
+
+_TWO_SHAPES = r"""
+import sys, torch
+from graph_trainer.capture import build_step
+from graph_trainer.config import parse_args
+from graph_trainer.trainer import GraphTrainer
+cfg = parse_args(["--compile.autoparallel", "--job.dump_folder", sys.argv[1], "--training.seq_len", "64",
+                  "--training.batch_size", "4", "--model.n_layers", "2"])
+tr = GraphTrainer(cfg)
+x, y = tr.next_batch()
+for mode in ("eager", "aot_fx_trace"):
+    step = build_step(mode, tr.capture)
+    tr.optimizers.zero_grad()
+    assert torch.isfinite(step(x, y))
+    # (2, 128) has as many tokens as (4, 64): views traced for (4, 64) would accept it and mix sequences.
+    for a, b in ((x[:2], y[:2]), (x.reshape(2, 128), y.reshape(2, 128))):
+        try:
+            step(a, b)
+            print(mode, "RAN", tuple(a.shape))
+        except Exception as e:
+            print(mode, "ERROR", type(e).__name__, str(e).splitlines()[0])
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_other_batch_shape_stops_with_a_clear_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _TWO_SHAPES, str(tmp_path)], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(("eager ", "aot_fx_trace "))]
+    assert len(lines) == 4, proc.stdout[-3000:]
+    for line, got in zip(lines, ["(2, 64)", "(2, 128)"] * 2):
+        assert "RAN" not in line, line
+        assert f"for inputs of global shape (4, 64), got {got}; auto placement runs one batch shape" in line, line
+    # eager raises the ConfigError itself; aot_fx_trace reports it as the failure of its trace
+    assert lines[0].startswith("eager ERROR ConfigError") and lines[2].startswith("aot_fx_trace ERROR TraceError")
+
+
+def test_regional_inductor_with_autoparallel_is_refused_up_front(tmp_path):
+    proc = launch(["train", "--compile.autoparallel", "--compile.mode", "aot_fx_trace", "--compile.inductor_compilation", "regional",
+                   "--job.dump_folder", str(tmp_path / "out")])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "graph-trainer: error: --compile.autoparallel leaves no region marked for --compile.inductor_compilation regional: "
+        "use --compile.inductor_compilation full (or none), or drop --compile.autoparallel"]
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,135 @@
+"""The one cost model (graph_trainer/hardware.py, passes/cost_model.py, autoparallel/costs.py): hardware
+selection, the overlap-aware step estimate shared by auto_bucketing and prediction.json, the solver's
+memory model with activations, and what happens when HiGHS does not prove a plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+
+from test_bucketing import fake_pg, trace_llama  # noqa: F401  (fake_pg is a fixture)
+
+from graph_trainer import hardware
+from graph_trainer.autoparallel import program
+from graph_trainer.autoparallel.memory import ActivationPolicy
+from graph_trainer.config import ConfigError, parse_args
+from graph_trainer.passes.bucketing import SCHEDULE_META, auto_bucketing
+from graph_trainer.passes.cost_model import CostModel
+from graph_trainer.passes.step_estimate import estimate_graph
+from graph_trainer.units import GiB
+from tests.helpers import launch, run_train
+
+
+def test_hardware_follows_the_device_or_the_flag():
+    cpu = torch.device("cpu")
+    assert hardware.select("auto", cpu) is hardware.CPU_GLOO
+    assert hardware.select("h200", cpu) is hardware.H200 and hardware.select("h100", cpu) is hardware.H100
+    # H200: the H100's chip with faster, larger HBM; the links are the same
+    assert hardware.H200.mem_bw > hardware.H100.mem_bw and hardware.H200.flops(torch.bfloat16) == hardware.H100.flops(torch.bfloat16)
+    assert hardware.H100.link(False) == (360e9, 10e-6) and hardware.H100.link(True) == (40e9, 20e-6)
+    cfg = parse_args(["--compile.hardware", "h200"])
+    ctx = type("Ctx", (), {"cfg": cfg, "device": cpu, "meshes": None})()
+    assert CostModel.for_context(ctx).hw is hardware.H200
+
+
+def test_unknown_hardware_is_refused_in_one_line():
+    proc = launch(["train", "--compile.hardware", "a100"])
+    assert proc.returncode == 2
+    assert "compile.hardware" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_prediction_is_the_bucketing_pass_estimate(fake_pg):
+    """The step prediction.json reports for a graph is what auto_bucketing expects of its own
+    schedule on that graph: the same function, so equal, not close."""
+    gm, ctx = trace_llama("--compile.hardware", "cpu")
+    predicted = estimate_graph(gm, ctx)
+    scheduled = auto_bucketing(gm, ctx).meta[SCHEDULE_META]
+    assert predicted.schedule.step_s == scheduled["estimated_step_s"]
+    assert predicted.schedule.exposed_comm_s == scheduled["estimated_exposed_comm_s"]
+    # the step adds the optimizer (not in the graph) to the schedule's
+    assert predicted.step_s == predicted.schedule.step_s + predicted.optimizer_s and predicted.optimizer_s > 0
+    # overlap hides part of the communication: less than compute + every collective in series
+    assert predicted.compute_s < predicted.step_s < predicted.compute_s + predicted.comm_s
+    assert predicted.hardware["hardware"] == "cpu"
+
+
+def _plan_with(monkeypatch, policy: ActivationPolicy, *flags: str) -> dict:
+    """`graph-trainer plan` of llama3 debug on 2 ranks with the solver told the AC policy."""
+    from graph_trainer.autoparallel import entry, planner
+    from graph_trainer.plan import make_plan
+
+    solve = planner.plan_model
+    monkeypatch.setattr(entry, "plan_model", lambda *a: solve(*a[:-1], dataclasses.replace(a[-1], activations=policy)))
+    return make_plan(parse_args(["--config", "configs/llama3_debug.toml", "--parallelism.dp_shard", "2", *flags]))
+
+
+def test_activations_count_against_the_memory_budget(monkeypatch):
+    """llama3 debug, batch 8 x 2048 on 2 ranks: parameters and Adam state take a few MiB, the
+    activations saved for backward hundreds. A budget that holds the states but not the activations
+    is refused with what the job needs; full activation checkpointing (block inputs kept, one block
+    recomputed at a time) fits it."""
+    shape = ("--training.batch_size", "8", "--training.seq_len", "2048")
+    kept = _plan_with(monkeypatch, ActivationPolicy("none"), *shape)["predicted"]["memory_bytes"]
+    recomputed = _plan_with(monkeypatch, ActivationPolicy("full"), *shape)["predicted"]["memory_bytes"]
+    assert kept["activations"] > 10 * kept["states"] and recomputed["activations"] < kept["activations"] / 3
+    budget = (kept["states"] + kept["activations"]) / 2
+    assert recomputed["states"] + recomputed["activations"] + recomputed["gathered_params"] < budget
+    with pytest.raises(ConfigError, match=r"activations saved for backward \d+\.\d\d .* need at least (\d+\.\d\d) GiB") as e:
+        _plan_with(monkeypatch, ActivationPolicy("none"), *shape, "--compile.autoparallel_memory_budget", f"{budget / GiB:.3f}GiB")
+    assert "\n" not in str(e.value) and "--activation_checkpoint.mode full" in str(e.value)
+    _plan_with(monkeypatch, ActivationPolicy("full"), *shape, "--compile.autoparallel_memory_budget", f"{budget / GiB:.3f}GiB")
+
+
+def test_selective_ac_recomputes_every_nth_block():
+    blocks = [f"layers.{i}" for i in range(6)]
+    assert ActivationPolicy.of("selective", "2").recomputed(blocks) == 3
+    assert ActivationPolicy.of("selective", "3").recomputed(blocks) == 2
+    assert ActivationPolicy.of("full", "2").recomputed(blocks) == 6 and ActivationPolicy.of("none", "2").recomputed(blocks) == 0
+    assert ActivationPolicy.of("full", "2").recomputed(["output"]) == 0  # outside the blocks nothing is recomputed
+    # 3 of 6 recomputed: 3 keep their activations, one more copy while a block is recomputed
+    assert ActivationPolicy.of("selective", "2").saved_copies(blocks) == (4, 3)
+
+
+def _knapsack(n: int) -> tuple[list[program.ProgramNode], float]:
+    """n nodes choosing between memory and time, half the memory allowed: its LP relaxation is fractional."""
+    rng = random.Random(0)
+    nodes = [program.ProgramNode([0.0, rng.uniform(1, 10)], [rng.uniform(1, 10), 0.0]) for _ in range(n)]
+    return nodes, 0.5 * sum(node.memory[0] for node in nodes)
+
+
+def test_solver_status_decides_whether_a_plan_exists():
+    nodes, budget = _knapsack(3)
+    solved = program.solve(nodes, [], budget)
+    assert solved.method == "MIP" and solved.status == "optimal" and not solved.lp_integral
+    with pytest.raises(program.Infeasible):
+        program.solve(nodes, [], -1.0)
+    big, budget = _knapsack(400)
+    # stopped by the time limit in the LP, then in the MIP: an error naming the status, never argmax of partial values
+    with pytest.raises(program.SolverError, match="LP relaxation with status 'Time limit reached'"):
+        program.solve(big, [], budget, time_limit_s=0.0)
+    with pytest.raises(program.SolverError, match="MIP with status 'Time limit reached'"):
+        program.solve(big, [], budget, time_limit_s=1e-3)
+
+
+@pytest.mark.slow
+def test_training_writes_the_prediction_of_its_graph(tmp_path):
+    """A 2-rank aot_fx_trace run writes prediction.json for its train-step graph on the CPU model:
+    parameters are each rank's shards (half of the model in fp32), Adam holds two moments of them."""
+    from graph_trainer import models
+
+    run_train(["--config", "configs/llama3_debug.toml", "--parallelism.dp_shard", "2", "--compile.mode", "aot_fx_trace",
+               "--training.steps", "1", "--training.seq_len", "64", "--training.batch_size", "4"], tmp_path, nproc=2)
+    pred = json.loads((tmp_path / "prediction.json").read_text())
+    assert pred["hardware"] == "cpu" and pred["world_size"] == 2 and pred["graphs"] == ["train_step"]
+    assert pred["bandwidths"] == {"intra_node_GBps": 0.5, "inter_node_GBps": 0.5}
+    assert pred["exposed_comm_ms"] == pytest.approx(pred["step_ms"] - pred["compute_ms"])
+    assert 0 < pred["compute_ms"] < pred["step_ms"] < pred["compute_ms"] + pred["comm_ms"]
+    spec = models.get_spec("llama3")
+    numel = sum(p.numel() for p in models.build_on_meta(spec, spec.args_for("debugmodel", 64), "cpu").parameters())
+    memory = pred["memory_gib"]
+    assert memory["params"] * GiB == pytest.approx(numel * 4 / 2) and memory["optimizer"] == 2 * memory["params"]
+    assert memory["activations"] > 0 and memory["gathered_params"] > 0
