@@ -12,15 +12,9 @@ import sys
 from typing import Callable, NoReturn
 
 from .config import ConfigError, JobConfig, parse_args
+from .errors import print_error
 
 EXIT_BAD_INPUT = 2
-
-
-def print_error(message: str) -> None:
-    """The one line every user-facing failure prints (with its rank when there are several)."""
-    rank = os.environ.get("RANK")
-    prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-    print(f"{prefix}graph-trainer: error: {message}", file=sys.stderr, flush=True)
 
 
 def _error(message: str) -> int:

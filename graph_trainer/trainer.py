@@ -34,7 +34,8 @@ from .capture import CaptureContext, build_step, own_grad_norm
 from .checkpoint import Checkpointer, CheckpointError, any_rank, state_shapes
 from .config import JobConfig, to_toml
 from .data.random_tokens import random_batch
-from .losses import build_loss, cross_entropy  # noqa: F401  (cross_entropy: the default loss, imported from here by others)
+from .errors import print_error
+from .losses import build_loss
 from .data import TokenLoader, build_tokenizer, document_separator, read_documents
 from .hf_checkpoint import load_initial, save_hf
 from .metrics import MetricsLogger, reset_peak_memory
@@ -348,8 +349,6 @@ def _is_comm_failure(e: BaseException) -> bool:
 
 
 def _fail(message: str, code: int) -> NoReturn:
-    from .cli import print_error
-
     print_error(message)
     raise SystemExit(code)
 

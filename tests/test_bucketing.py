@@ -54,7 +54,7 @@ def trace_llama(*flags: str) -> tuple[fx.GraphModule, PassContext]:
     from graph_trainer.parallel.mesh import build_meshes, resolve_degrees
     from graph_trainer.parallel.simple_fsdp import MixedPrecision
     from graph_trainer.placement import place_model
-    from graph_trainer.trainer import cross_entropy
+    from graph_trainer.losses import cross_entropy
     from graph_trainer.train_step import FunctionalTrainStep, named_buffers
 
     cfg = parse_args(["--compile.mode", "aot_fx_trace", "--parallelism.dp_shard", "2", *flags])

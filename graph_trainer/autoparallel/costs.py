@@ -36,7 +36,6 @@ from typing import Sequence
 import torch
 
 from ..hardware import Hardware, ring_collective_s, roofline_s
-from ..units import GiB  # noqa: F401  (entry.py and meta_adapter.py import it from here; its home is units.py)
 from .strategies import Spec, Strategy, shard_factor
 
 

@@ -15,7 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..config import ConfigError, JobConfig
 from ..parallel.simple_fsdp import MixedPrecision
 from . import report
-from .costs import GiB, Hardware
+from ..hardware import Hardware
+from ..units import GiB
 from .planner import MeshInfo, Settings, plan_model
 
 PLAN_VERSION = 1

@@ -16,10 +16,10 @@ import logging
 from torch import fx
 
 from ..config import ConfigError
-from .bucket_merge import emit, rewrite  # noqa: F401  (emit: reshard.py imports it from here; its home is bucket_merge)
+from .bucket_merge import rewrite
 from .bucket_plan import Bucket, Layout, choose_buckets, estimate, layout, saturating_plan
 from .bucketing_compat import META_AUTOPARALLEL_INSTALL, meta_autobucketing
-from .collectives import find_collectives, forward_end  # noqa: F401  (forward_end: as emit)
+from .collectives import find_collectives
 from .cost_model import CostModel
 from .registry import GRAPH_MODES, PassContext, PassSpec, register_pass
 

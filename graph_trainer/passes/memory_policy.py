@@ -40,7 +40,7 @@ from torch import fx
 from ..graph_dump import nbytes
 from ..parallel import BLOCK_KEY, OP_SAC_SAVE_LIST
 from ..units import GiB
-from .bucketing import forward_end
+from .collectives import forward_end
 from .cost_model import CostModel
 from .registry import PassContext, PassSpec, register_pass
 
