@@ -92,6 +92,15 @@ def pass_context(ctx: CaptureContext, gm: fx.GraphModule, example_inputs: Sequen
     )
 
 
+def _drop_recompute_tags(gm: fx.GraphModule) -> None:
+    """The partitioner has acted on the activation-checkpoint tags (resharding, selective AC). Left on
+    a stage graph, Inductor would rematerialise from them a second time, and refuses when a scheduling
+    pass has reordered the tagged ops ("Detected 7 disjoint backward regions that require recomputation")."""
+    for node in gm.graph.nodes:
+        node.meta.pop("recompute", None)
+        node.meta.pop("ac_graph_id", None)
+
+
 class StageCompiler:
     """An AOTAutograd forward or backward compiler: dump the partitioned graph, run the passes that
     declare its stage, return the result in AOTAutograd's boxed calling convention. Counts its
@@ -109,6 +118,7 @@ class StageCompiler:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
         t0 = time.perf_counter()
         dumper = self.dumper()
+        _drop_recompute_tags(gm)
         dumper.dump(self.stage, gm)
         compiled = apply_passes(gm, self.pass_names, pass_context(self.ctx, gm, example_inputs, dumper), self.stage)
 
