@@ -1,6 +1,7 @@
 """Auto placement runs the ops it traced at one batch shape: a batch of another shape stops with one
 clear error in every mode instead of running a stale plan, and regional Inductor (which finds no
-marked region in auto-placed blocks) is refused up front."""
+marked region in auto-placed blocks) is refused up front; attention computed per rank by another kernel
+than the traced one is handed on in the traced memory layout."""
 
 import subprocess
 import sys
@@ -52,3 +53,19 @@ def test_regional_inductor_with_autoparallel_is_refused_up_front(tmp_path):
         "graph-trainer: error: --compile.autoparallel leaves no region marked for --compile.inductor_compilation regional: "
         "use --compile.inductor_compilation full (or none), or drop --compile.autoparallel"]
     assert not (tmp_path / "out").exists()
+
+
+def test_per_rank_attention_output_takes_the_traced_layout():
+    """cuDNN attention (the kernel run per rank on Hopper) returns batch, heads, sequence, head-dim
+    contiguous; flash (traced) returns heads inside sequence, and the traced graph views the transposed
+    output as (batch, sequence, model dim), valid only for the traced layout (the 8B fake dp8 run failed so)."""
+    import torch
+
+    from graph_trainer.autoparallel.apply import _in_layout_of
+
+    traced = torch.empty(2, 16, 8, 4).transpose(1, 2)
+    cudnn = torch.randn(2, 8, 16, 4)
+    out = _in_layout_of(cudnn, traced)
+    assert torch.equal(out, cudnn) and out.stride() == traced.stride()
+    out.transpose(1, 2).view(2, 16, 32)
+    assert _in_layout_of(traced, traced) is traced

@@ -216,7 +216,7 @@ class UnitRunner:
             out = F.scaled_dot_product_attention(q.to_local(), k.to_local(), v.to_local(), dropout_p=named.get("dropout_p", 0.0),
                                                  is_causal=named.get("is_causal", False), scale=named.get("scale"),
                                                  enable_gqa=q.shape[1] != k.shape[1])
-        return (self._wrap(out, q.placements),) + (None,) * (len(node.meta["val"]) - 1)
+        return (self._wrap(_in_layout_of(out, node.meta["val"][0]), q.placements),) + (None,) * (len(node.meta["val"]) - 1)
 
     def _run_local(self, node: fx.Node, args: Any, kwargs: Any) -> Any:
         """The fallback: every input replicated, the op runs on whole local tensors."""
@@ -233,6 +233,17 @@ class UnitRunner:
             return out
         local = self._to(out, self.batch).to_local(grad_placements=self.batch)
         return _GradScale.apply(local, 1.0 / self.dp_degree) if self.dp_degree > 1 else local
+
+
+def _in_layout_of(t: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
+    """`t` with the dimension order in memory of the value traced in its place. The graph after it was
+    recorded for that layout: the kernel picked here (cuDNN returns batch, heads, sequence, head-dim
+    contiguous) can differ from the traced one (flash returns heads inside sequence), and a later `view`
+    of the recorded graph is only valid for the recorded order."""
+    order = sorted(range(traced.dim()), key=lambda d: traced.stride(d), reverse=True)
+    if t.permute(order).is_contiguous():
+        return t
+    return t.permute(order).contiguous().permute([order.index(d) for d in range(t.dim())])
 
 
 def _has_dtensor(args: Any, kwargs: Any) -> bool:
