@@ -35,6 +35,7 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     from .autoparallel import compat
     from .autoparallel.entry import mesh_info, param_dtype_for, solve
     from .autoparallel.moe import prepare_model
+    from .data.tokenizer import build_tokenizer, document_separator
     from .parallel.compat import init_fake_process_group
 
     info = mesh_info(degrees)
@@ -44,6 +45,7 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     spec = models.get_spec(cfg.model.name)
     args = spec.job_args(cfg)
     model = models.build_on_meta(spec, args, "cpu")
+    models.install_attention_masks(model, document_separator(build_tokenizer(cfg.model.tokenizer_path or None)))
     prepare_model(model)
     return solve(cfg, model, args, info, solver_mesh, torch.device("cpu"), param_dtype_for(cfg, "cuda"))
 

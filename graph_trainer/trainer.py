@@ -190,12 +190,14 @@ class GraphTrainer:
         reference = models.build_on_meta(spec, args, self.device.type)
         mp = MixedPrecision.from_config(cfg.training, self.device.type)
         placement_start = time.perf_counter()
-        self.model = place_model(models.build_on_meta(spec, args, self.device.type), spec, args, self.meshes, mp, cfg)
+        model = models.build_on_meta(spec, args, self.device.type)
+        # before placement: the solver traces the forward with the masks the model builds from its tokens
+        models.install_attention_masks(model, document_separator(self.tokenizer))
+        self.model = place_model(model, spec, args, self.meshes, mp, cfg)
         placement_s = time.perf_counter() - placement_start
         if t.deterministic and self.device.type == "cuda":
             models.drop_cudnn_attention(self.model)
         annotate_regions(self.model)
-        models.install_attention_masks(self.model, document_separator(self.tokenizer))
         materialize(self.model, reference, self.device, t.seed)
         apply_activation_checkpointing(self.model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option, cfg.compile.mode)
         self.nparams, self.flops_per_token = models.nparams_and_flops_per_token(args, reference, t.seq_len)

@@ -254,12 +254,6 @@ def check_autoparallel(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> No
         raise ConfigError("compile.autoparallel_plan needs --compile.autoparallel (the plan replaces the manual placement)")
     if not c.autoparallel:
         return
-    args = models.get_spec(cfg.model.name).job_args(cfg)
-    if getattr(args, "attn_type", "sdpa") == "flex":
-        # The solver traces each block with the batch's BlockMask as a constant: a plan would keep the
-        # document boundaries of the traced batch.
-        raise ConfigError(f"--compile.autoparallel does not place FlexAttention models yet ({cfg.model.name} {cfg.model.flavor} "
-                          "uses document masks): add --model.attention sdpa, or drop --compile.autoparallel")
     if c.inductor_compilation == "regional":
         # Auto-placed blocks run as interpreters of their traced ops, so the module marks that regional Inductor compiles never reach the graph.
         raise ConfigError("--compile.autoparallel leaves no region marked for --compile.inductor_compilation regional: "
@@ -270,6 +264,10 @@ def check_autoparallel(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> No
         require()
         if models.get_spec(cfg.model.name).is_moe:
             raise ConfigError(f"--compile.autoparallel_impl meta places dense models only here; use --compile.autoparallel_impl builtin for {cfg.model.name}")
+        if getattr(models.get_spec(cfg.model.name).job_args(cfg), "attn_type", "sdpa") == "flex":
+            # the BlockMask the model builds from its tokens is handed to blocks only by the built-in solver (autoparallel/flex.py)
+            raise ConfigError(f"--compile.autoparallel_impl meta places SDPA models only here ({cfg.model.flavor} uses FlexAttention): "
+                              "add --model.attention sdpa, or use --compile.autoparallel_impl builtin")
         if c.autoparallel_plan:
             raise ConfigError("compile.autoparallel_plan holds a plan of the built-in solver; drop it or use --compile.autoparallel_impl builtin")
         if c.mode == "aot":

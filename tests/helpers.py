@@ -20,13 +20,15 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch(args: list[str], nproc: int = 1, timeout: int = TIMEOUT_S, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`graph-trainer <args>` on one process, or under torchrun with `nproc` ranks."""
+def launch(args: list[str], nproc: int = 1, timeout: int = TIMEOUT_S, env: dict[str, str] | None = None,
+           script: str | None = None) -> subprocess.CompletedProcess:
+    """`graph-trainer <args>` (or `python <script> <args>`) on one process, or under torchrun with `nproc` ranks."""
+    program = [script] if script else ["-m", "graph_trainer"]
     if nproc == 1:
-        cmd = [sys.executable, "-m", "graph_trainer", *args]
+        cmd = [sys.executable, *program, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), "-m", "graph_trainer", *args]
+               "--master-port", str(free_port()), *program, *args]
     return subprocess.run(cmd, cwd=REPO, env=env or child_env(), capture_output=True, text=True, timeout=timeout)
 
 

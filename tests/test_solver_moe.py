@@ -81,15 +81,17 @@ def test_solver_chooses_expert_parallelism_for_16b_on_8_ranks():
 
 @pytest.mark.slow
 def test_plan_16b_on_8_fake_ranks_is_fast(tmp_path):
-    """The issue's command: the config pins ep 8, i.e. EP over dp_shard."""
-    proc = launch(["plan", "--job.dump_folder", str(tmp_path), "--config", "configs/deepseek_v3_16b.toml", "--model.attention", "sdpa",
-                   "--parallelism.dp_shard", "8"])
+    """The issue's command: the config pins ep 8, i.e. EP over dp_shard; the flavor's FlexAttention with
+    document masks gets its declared batch-parallel strategy (no op falls back to replicated)."""
+    proc = launch(["plan", "--job.dump_folder", str(tmp_path), "--config", "configs/deepseek_v3_16b.toml", "--parallelism.dp_shard", "8"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layers.*.moe" in proc.stdout and "expert parallel over dp_shard, ep=8" in proc.stdout
     p = json.loads((tmp_path / "plan.json").read_text())
     assert p["moe"]["layers.*.moe"]["expert_parallel"] == {"dim": "dp_shard", "degree": 8}
     # the README's 5.2 s, with room for a busier 2-core machine
     assert p["program"]["total_s"] < 3 * 5.2 and p["fallbacks"] == []
+    attention = [n for u in p["units"] for n in u["nodes"] if n["op"] == "flex_attention"]
+    assert len(attention) == 2 and all(n["ins"] == [["S0"]] * 12 for n in attention), attention
 
 
 def test_ep_pins_dp_shard_only():

@@ -30,10 +30,10 @@ from torch.nn.attention import sdpa_kernel
 
 from ..config import ConfigError
 from ..models import sdpa_wrappers
-from . import compat, moe
+from . import compat, flex, moe
 from .planner import DP_DIMS, canonical_op
 from .strategies import Strategy, placement_of
-from .trace import ModelTrace, UnitGraph
+from .trace import ModelTrace, UnitGraph, tensor_at
 
 
 def _placements(spec: list[str], mesh_names: list[str], solver_dims: list[str]) -> tuple:
@@ -110,7 +110,7 @@ class UnitRunner:
             b = module.get_buffer(name)
             env[ph.name] = b if isinstance(b, DTensor) else self._wrap(b, self.replicate)
         for j, (pos, ph) in enumerate(zip(unit.input_positions, phs[n_p + n_b :])):
-            t = args[pos] if isinstance(pos, int) else kwargs[pos]
+            t = tensor_at(args, kwargs, pos)
             if not isinstance(t, DTensor):
                 t = self._wrap(t, self.batch if self.input_kinds[j] == "input" else self.replicate)
             traced = ph.meta["val"].shape
@@ -145,7 +145,9 @@ class UnitRunner:
             if node.op == "placeholder":
                 continue
             if node.op == "get_attr":
-                env[node.name] = self._wrap(getattr(unit.gm, node.target), self.replicate)
+                attr = getattr(unit.gm, node.target)
+                # FlexAttention's score and mask functions are subgraphs, given to its op as they are
+                env[node.name] = self._wrap(attr, self.replicate) if isinstance(attr, torch.Tensor) else attr
                 continue
             if node.op == "output":
                 out = env[node.args[0][0].name] if isinstance(node.args[0], (list, tuple)) else env[node.args[0].name]
@@ -170,6 +172,8 @@ class UnitRunner:
             if node.name in self.moe_ops:
                 path, strategy = self.moe_ops[node.name]
                 result = moe.run_routed_experts(module.get_submodule(path), self.mesh, strategy, call_args, self._p)
+            elif node.target is flex.FLEX_ATTENTION:
+                result = flex.run_local(node, call_args, self.mesh)
             elif (attention := self._local_attention(module, node, call_args)) is not None:
                 result = attention
             elif not _has_dtensor(call_args, call_kwargs):

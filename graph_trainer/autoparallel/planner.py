@@ -21,7 +21,7 @@ from ..flops import node_flops
 from ..hardware import OPTIMIZER_BYTES_PER_ELEMENT, Hardware
 from ..parallel.mesh import DP_DIMS
 from ..units import GiB
-from . import moe, program
+from . import flex, moe, program
 from .costs import CommModel, backward_target, compute_time, grad_spec, mesh_links, state_bytes_per_element
 from .memory import ActivationPolicy, gathered_params_bytes
 from .plan_format import FOLLOW, Plan, canonical_op, unit_pattern, units_and_params
@@ -280,7 +280,9 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
                     if policy is not None:
                         memory, memory_kind = [saved * m for m in moe_saved], "moe_dispatch"
                 else:
-                    if enum is not None:
+                    if enum is not None and node.target is flex.FLEX_ATTENTION:
+                        ns = NodeStrategies(flex.declared_strategies(node, sizes))
+                    elif enum is not None:
                         ns = enum.enumerate(node, cands)
                     else:
                         ns = NodeStrategies([Strategy(tuple(() for _ in tensor_outputs(node)), tuple(() for _ in args))])

@@ -23,17 +23,42 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask
 
 from ..config import ConfigError
-from ..models import drop_cudnn_attention
+from ..models import drop_cudnn_attention, traceable_attention
 from .compat import current_trace_graph
+from .flex import is_batched, mask_tensors
+
+
+Position = int | str | tuple[int | str, int]
+
+
+def call_tensors(args: tuple, kwargs: dict) -> list[tuple[Position, torch.Tensor]]:
+    """The tensors of a unit call and where each sits: a positional index, a keyword name, or (either,
+    i) for the i-th tensor of a BlockMask argument (flex.mask_tensors)."""
+    found: list[tuple[Position, torch.Tensor]] = []
+    for key, a in [*enumerate(args), *kwargs.items()]:
+        if isinstance(a, torch.Tensor):
+            found.append((key, a))
+        elif isinstance(a, BlockMask):
+            found += [((key, i), t) for i, t in enumerate(mask_tensors(a))]
+    return found
+
+
+def tensor_at(args: tuple, kwargs: dict, pos: Position) -> torch.Tensor:
+    key, i = pos if isinstance(pos, tuple) else (pos, None)
+    a = args[key] if isinstance(key, int) else kwargs[key]
+    return a if i is None else mask_tensors(a)[i]
 
 
 @dataclass(frozen=True)
 class Source:
     """Where a unit's tensor input comes from: the model input, a root buffer, or a unit's output."""
 
-    kind: str  # "input" | "buffer" | "unit"
+    kind: str  # "input" | "mask" | "buffer" | "unit"
+    """`input`: laid out like the token batch (the tokens, a BlockMask's per-sequence tensors); `mask`: a
+    BlockMask tensor shared by all sequences (flex.py); `buffer`: a root buffer; `unit`: a unit's output."""
     call: int = -1
     index: int = 0
     name: str = ""
@@ -47,8 +72,8 @@ class UnitGraph:
     param_names: list[str]
     buffer_names: list[str]
     n_inputs: int
-    input_positions: list[int | str]
-    """Where each traced input sits in the call: an int (positional) or a keyword name."""
+    input_positions: list[Position]
+    """Where each traced input sits in the call (see `call_tensors`)."""
     node_module: dict[str, str] = field(default_factory=dict)
     """Node name -> FQN of the innermost module that produced it (for messages)."""
 
@@ -92,6 +117,8 @@ def _meta_key(x: Any) -> Any:
         return ("T", tuple(x.shape), x.dtype)
     if isinstance(x, (int, float, str, bool, type(None))):
         return x
+    if isinstance(x, BlockMask):
+        return ("BlockMask", x.seq_lengths, x.BLOCK_SIZE, tuple(_meta_key(t) for t in mask_tensors(x)))
     raise ConfigError(f"autoparallel: a unit received an argument of type {type(x).__name__}, which the tracer cannot key on")
 
 
@@ -170,25 +197,26 @@ def _trace_unit(fqn: str, module: nn.Module, args: tuple, kwargs: dict, param_dt
     with mode:
         fake_params = [torch.empty(p.shape, dtype=param_dtype if p.is_floating_point() else p.dtype, device=device) for _, p in module.named_parameters()]
         fake_buffers = [torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device=device) for _, b in module.named_buffers()]
-    positions: list[int | str] = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    positions += [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-    tensors = [args[p] if isinstance(p, int) else kwargs[p] for p in positions]
+    found = call_tensors(args, kwargs)
+    positions, tensors = [p for p, _ in found], [t for _, t in found]
     n_p, n_b = len(param_names), len(buffer_names)
 
     def fn(*flat: torch.Tensor) -> Any:
         state = dict(zip(param_names, flat[:n_p])) | dict(zip(buffer_names, flat[n_p : n_p + n_b]))
         a, kw = list(args), dict(kwargs)
         for pos, t in zip(positions, flat[n_p + n_b :]):
+            # A BlockMask's tensors (its mask function's too) stay in place: they are the very
+            # objects given to make_fx, which traces every use of them as a use of these inputs.
             if isinstance(pos, int):
                 a[pos] = t
-            else:
+            elif isinstance(pos, str):
                 kw[pos] = t
         return functional_call(module, state, tuple(a), kw)
 
     timeline = _ModuleTimeline(module, fqn)
     try:
         # DTensor's cuDNN-attention backward strategy is broken on torch 2.11: record another kernel
-        with mode, sdpa_kernel(_TRACED_SDPA), _without_cudnn_attention(module):
+        with mode, sdpa_kernel(_TRACED_SDPA), _without_cudnn_attention(module), traceable_attention():
             gm = make_fx(fn, decomposition_table=_DECOMPOSITIONS, tracing_mode="real")(*fake_params, *fake_buffers, *tensors)
     except Exception as e:  # noqa: BLE001  (any failure becomes one line naming the module)
         where = timeline.stack[-1] if timeline.stack else fqn
@@ -217,6 +245,10 @@ def trace_model(model: nn.Module, inputs_shape: tuple[int, ...], param_dtype: to
         tokens = torch.zeros(inputs_shape, dtype=torch.long, device=device)
     sources[id(tokens)] = Source("input", index=0)
 
+    def mask_source(t: torch.Tensor, pos: tuple) -> Source:
+        name = f"{pos[0]}.{pos[1]}"
+        return Source("input", name=name) if is_batched(t, inputs_shape[0]) else Source("mask", name=name)
+
     def source_of(t: torch.Tensor, where: str) -> Source:
         if id(t) in sources:
             return sources[id(t)]
@@ -233,7 +265,7 @@ def trace_model(model: nn.Module, inputs_shape: tuple[int, ...], param_dtype: to
 
     def recorder(fqn: str, module: nn.Module):
         def forward(*args: Any, **kwargs: Any) -> Any:
-            srcs = [source_of(a, fqn) for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+            srcs = [mask_source(t, pos) if isinstance(pos, tuple) else source_of(t, fqn) for pos, t in call_tensors(args, kwargs)]
             args = tuple(fake_buffer(a) if isinstance(a, torch.Tensor) and a.device.type == "meta" else a for a in args)
             kwargs = {k: fake_buffer(v) if isinstance(v, torch.Tensor) and v.device.type == "meta" else v for k, v in kwargs.items()}
             key = (type(module).__qualname__,
