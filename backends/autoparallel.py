@@ -23,7 +23,7 @@ from torch import fx
 
 from graph_trainer.config import ConfigError, JobConfig
 from graph_trainer.passes.bucketing_compat import META_AUTOPARALLEL_INSTALL, meta_autobucketing
-from graph_trainer.passes.registry import PassContext, apply_passes, load_passes
+from graph_trainer.passes.registry import PASSES, PassContext, apply_passes
 
 from .base import register_backend
 
@@ -46,9 +46,8 @@ class AutoParallelBackend:
 
     def pass_names(self, user_passes: list[str]) -> list[str]:
         own = SCHEDULE_AND_COMPILE
-        passes = load_passes()
         rest = [p for p in user_passes if p not in own]
-        at = next((i for i, p in enumerate(rest) if p in passes and passes[p].must_be_last), len(rest))
+        at = next((i for i, p in enumerate(rest) if p in PASSES and PASSES[p].must_be_last), len(rest))
         return rest[:at] + SCHEDULE_AND_COMPILE + rest[at:]
 
     def compile(self, gm: fx.GraphModule, ctx: PassContext) -> Callable[..., Any]:

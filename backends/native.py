@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from torch import fx
 
-from graph_trainer.passes.registry import PassContext, apply_passes, load_passes
+from graph_trainer.passes.registry import PASSES, PassContext, apply_passes
 
 from .base import register_backend
 
@@ -31,9 +31,8 @@ class NativeBackend:
 
     def pass_names(self, user_passes: list[str]) -> list[str]:
         own = _BACKEND_PASSES[self.name]
-        passes = load_passes()
         rest = [p for p in user_passes if p not in own]
-        at = next((i for i, p in enumerate(rest) if p in passes and passes[p].must_be_last), len(rest))
+        at = next((i for i, p in enumerate(rest) if p in PASSES and PASSES[p].must_be_last), len(rest))
         return rest[:at] + own + rest[at:]
 
     def compile(self, gm: fx.GraphModule, ctx: PassContext) -> Callable[..., Any]:

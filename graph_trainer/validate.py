@@ -139,13 +139,13 @@ def check_compile(cfg: JobConfig, device_type: str) -> None:
 def check_activation_checkpoint(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
     from .autoparallel.entry import parse_memory_budget
     from .passes.memory_policy import BUDGET_FLAG
-    from .passes.registry import load_passes
+    from .passes.registry import PASSES
 
     ac = cfg.activation_checkpoint
     if ac.memory_budget and ac.mode != "memory_budget":
         raise ConfigError(f"{BUDGET_FLAG} is read by --activation_checkpoint.mode memory_budget only; add that or drop the budget")
     if ac.mode == "memory_budget":
-        modes = load_passes()["memory_policy"].modes
+        modes = PASSES["memory_policy"].modes
         if cfg.compile.mode not in modes:
             raise ConfigError(
                 f"--activation_checkpoint.mode memory_budget rewrites a traced train step; use --compile.mode "

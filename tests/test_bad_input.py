@@ -67,10 +67,9 @@ def _plan_of_other_mesh(prev: Path, scratch: Path) -> None:
 
 def _pass_case(kind: str) -> Case:
     """A pass combination the registry declares invalid (found from its constraints, so it follows new passes)."""
-    from graph_trainer.passes.registry import load_passes
+    from graph_trainer.passes.registry import PASSES
 
-    passes = load_passes()
-    for spec in passes.values():
+    for spec in PASSES.values():
         if kind == "conflict" and spec.conflicts:
             other = spec.conflicts[0]
             return Case(f"pass_conflict_{spec.name}", ["--compile.mode", "aot_fx_trace", "--compile.passes", f"{spec.name},{other}"], other)

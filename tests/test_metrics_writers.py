@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import launch, run_train
+from helpers import child_env, launch, run_train
 
+from graph_trainer.metrics import read_metrics
 from graph_trainer.metrics_writers import wandb_missing
 
 MOE = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.n_layers", "2",
@@ -32,26 +37,51 @@ def test_tensorboard_holds_every_step_of_metrics_jsonl(tmp_path):
         assert [s.value for s in scalars] == [float(np.float32(r[tag])) for r in records], tag
 
 
-@pytest.mark.skipif(not wandb_missing(), reason="wandb is installed")
 def test_wandb_without_the_package_is_refused_before_training(tmp_path):
-    proc = launch(["train", "--job.dump_folder", str(tmp_path), *MOE, "--metrics.enable_wandb"])
-    assert proc.returncode == 2
+    # wandb is a test dependency: the child sees it missing through a None entry in sys.modules, which
+    # both `import wandb` and importlib.util.find_spec report as an absent package.
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text('import sys\nsys.modules["wandb"] = None\n')
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(blocker), env.get("PYTHONPATH")]))
+    dump = tmp_path / "dump"
+    proc = launch(["train", "--job.dump_folder", str(dump), *MOE, "--metrics.enable_wandb"], env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert lines == ["graph-trainer: error: --metrics.enable_wandb needs the wandb package, which is not installed: "
                      "pip install wandb, or drop the flag"]
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not (dump / "metrics.jsonl").exists()
+
+
+def offline_run_records(folder: Path) -> list[dict]:
+    """The records of the one offline run under `folder`, read from its .wandb transaction log by the
+    reader wandb ships (`wandb leet inspect --json`, one record a line): wandb 0.31 writes no
+    wandb-summary.json offline and has no Python reader of the log any more."""
+    logs = list(folder.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(logs) == 1, logs
+    proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(logs[0])],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
 @pytest.mark.skipif(wandb_missing(), reason="wandb is not installed")
-def test_wandb_offline_run_records_the_last_step(tmp_path):
-    from helpers import child_env
-
+def test_wandb_offline_run_holds_every_step_of_metrics_jsonl(tmp_path):
     proc = launch(["train", "--job.dump_folder", str(tmp_path), *MOE, "--metrics.enable_wandb"],
                   env=child_env(WANDB_MODE="offline", WANDB_SILENT="true"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
-    summaries = list((tmp_path / "wandb").glob("wandb/offline-run-*/files/wandb-summary.json"))
-    assert len(summaries) == 1
-    summary = json.loads(summaries[0].read_text())
-    assert summary["loss"] == last["loss"]
-    assert summary["_step"] == 3
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    logged = offline_run_records(tmp_path / "wandb")
+    history = [r["history"] for r in logged if r["type"] == "history"]
+    assert [h["step"]["num"] for h in history] == [1, 2, 3]
+    for h, record in zip(history, records):
+        # wandb adds its own keys, all with a leading underscore (_step, _runtime, _timestamp).
+        figures = {k: v for k, v in h["item"].items() if not k.startswith("_")}
+        assert set(figures) == {"loss", "grad_norm", "lr", "tokens_per_second", "peak_memory_gib", "step_time_s",
+                                "dropped_tokens"}, record["step"]
+        # Float64 all the way: Python's and Go's JSON both print the shortest repr that reads back exactly.
+        assert figures == {k: record[k] for k in figures}, record["step"]
+    # wandb.finish() ran: the log ends with the run's exit record.
+    assert logged[-1]["type"] == "exit" and logged[-1]["exit"]["exit_code"] == 0, logged[-1]

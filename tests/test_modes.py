@@ -17,7 +17,7 @@ from helpers import grad_norms, losses, run_train
 
 from graph_trainer.capture import CaptureContext, build_step
 from graph_trainer.config import JobConfig
-from graph_trainer.passes.registry import PASSES, PassSpec, load_passes, register_pass
+from graph_trainer.passes.registry import PASSES, PassSpec, register_pass
 from graph_trainer.trainer import GraphTrainer
 
 MODES = ("jit", "aot", "aot_fx_trace")
@@ -128,7 +128,6 @@ def _never(gm, ctx):
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    load_passes()
     register_pass(PassSpec(name=PROBE, description="records its context", stages=("joint", "forward", "backward"),
                            modes=("jit", "aot"), fn=_probe))
     register_pass(PassSpec(name=TRAIN_STEP_ONLY, description="must not run here", stages=("train_step",),

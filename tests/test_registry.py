@@ -1,16 +1,22 @@
 """The pass registry's declared constraints: each one refused by `check_passes` with a one-line
 ConfigError naming the fix, two through the real CLI (exit 2, one line, no traceback), the
-native backends' pass lists, and the `--compile.list_passes` table."""
+native backends' pass lists, the `--compile.list_passes` table, and that neither registry imports
+its members."""
 
 from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
 
 import pytest
 
 from helpers import launch
 
+from graph_trainer.backends import backend_names, get_backend
 from graph_trainer.config import ConfigError, JobConfig
 from graph_trainer.passes.listing import COLUMNS, registry_table
-from graph_trainer.passes.registry import load_passes
+from graph_trainer.passes.registry import PASSES
 from graph_trainer.passes.validate import check_passes
 
 
@@ -106,7 +112,7 @@ def test_bucketing_refused_with_autoparallel_backend(name):
 
 
 def test_every_declared_backend_exclusion_is_enforced():
-    for spec in load_passes().values():
+    for spec in PASSES.values():
         for backend in spec.excluded_backends:
             assert "it does its own" in refused([spec.name], backend=backend)
 
@@ -156,7 +162,7 @@ def test_registry_table_lists_every_pass_with_its_constraints():
     table = registry_table().splitlines()
     assert table[0].split() == list(COLUMNS)
     rows = {line.split()[0]: line for line in table[2:]}
-    assert set(rows) == set(load_passes())
+    assert set(rows) == set(PASSES)
     full = rows["full_inductor_compilation"].split()
     assert full[1] == "forward,backward,train_step" and full[3] == "inductor_decomposition"
     cudagraph = rows["cudagraph"].split()
@@ -182,3 +188,29 @@ def test_cli_refuses_with_one_line(argv, needle, tmp_path):
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("graph-trainer: error:"), proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "out").exists()
+
+
+def imported_modules(module_name: str) -> set[str]:
+    """Every module `module_name` imports, at top level or inside functions, relative ones resolved."""
+    module = importlib.import_module(module_name)
+    found = set()
+    for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), module.__package__)
+            # `from package import member` names a module too.
+            found |= {base, *(f"{base}.{alias.name}" for alias in node.names)}
+    return found
+
+
+@pytest.mark.parametrize("registry, members", [
+    ("graph_trainer.passes.registry", lambda: {spec.fn.__module__ for spec in PASSES.values()}),
+    ("graph_trainer.backends.base", lambda: {type(get_backend(name)).__module__ for name in backend_names()}),
+], ids=["passes", "backends"])
+def test_registries_import_none_of_their_members(registry, members):
+    # Each member registers itself and its package imports them all; a registry importing a member
+    # would tie the interface to every implementation (and to their import cycles).
+    members = members()
+    assert len(members) > 1
+    assert not imported_modules(registry) & members

@@ -3,7 +3,10 @@ wrapper, from a file of any name or a folder holding one."""
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 from pathlib import Path
+from typing import Any, Iterator
 
 from tokenizers import Tokenizer
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
@@ -25,14 +28,36 @@ class FileTokenizer(HuggingFaceTokenizer):
     that file the tokenizer has none. Tokens the config names that the vocabulary lacks are added to
     it, as Hugging Face does, so they count in `get_vocab_size()`."""
 
-    def __init__(self, tokenizer_file: Path, tokenizer: Tokenizer):
-        self.tokenizer_file, self._loaded = tokenizer_file, tokenizer
-        super().__init__(str(tokenizer_file.parent))
-        sep = self._get_token_from_config(self.config, "sep_token") if self.config else None
+    def __init__(self, tokenizer_file: Path):
+        self.tokenizer_file = tokenizer_file
+        with _folder_for(tokenizer_file) as folder:
+            super().__init__(str(folder))
+        sep = _config_token(self.config, "sep_token")
         self.sep_id = self.tokenizer.token_to_id(sep) if sep else None
 
-    def _load_tokenizer_from_path(self, tokenizer_path: str) -> Tokenizer:
-        return self._loaded
+
+@contextlib.contextmanager
+def _folder_for(file: Path) -> Iterator[Path]:
+    """A folder where torchtitan's wrapper, which reads `tokenizer.json` and `tokenizer_config.json`
+    from the folder it is given, finds `file` and the config beside it: the file's own folder when
+    the file has that name, else (while the context lasts) a folder of links under those names."""
+    if file.name == TOKENIZER_FILE:
+        yield file.parent
+        return
+    with tempfile.TemporaryDirectory(prefix="graph_trainer_tokenizer_") as tmp:
+        links = Path(tmp)
+        (links / TOKENIZER_FILE).symlink_to(file.resolve())
+        config = file.parent / CONFIG_FILE
+        if config.is_file():
+            (links / CONFIG_FILE).symlink_to(config.resolve())
+        yield links
+
+
+def _config_token(config: dict[str, Any] | None, key: str) -> str | None:
+    """A special token of tokenizer_config.json, given as its string or as an AddedToken object (whose
+    form torchtitan's wrapper has already checked)."""
+    token = (config or {}).get(key)
+    return token["content"] if isinstance(token, dict) else token
 
 
 def document_separator(tokenizer) -> int | None:
@@ -50,7 +75,7 @@ def _load(path: Path) -> Tokenizer | None:
         return None
 
 
-def _find_tokenizer(path: Path) -> tuple[Path, Tokenizer]:
+def _find_tokenizer(path: Path) -> Path:
     """The tokenizer file `path` names: the file itself, or in a folder `tokenizer.json`, else its
     only JSON file that loads as a tokenizer."""
     if path.is_dir() and not (path / TOKENIZER_FILE).is_file():
@@ -59,14 +84,15 @@ def _find_tokenizer(path: Path) -> tuple[Path, Tokenizer]:
             names = ", ".join(p.name for p, _ in found) or "none"
             raise TokenizerError(f"model.tokenizer_path {path} must hold exactly one Hugging Face tokenizer file "
                                  f"(found: {names}); pass the file itself")
-        return found[0]
+        return found[0][0]
     file = path / TOKENIZER_FILE if path.is_dir() else path
     try:
-        return file, Tokenizer.from_file(str(file))
+        Tokenizer.from_file(str(file))
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TokenizerError(f"model.tokenizer_path {file} is not a Hugging Face tokenizer file ({reason}); "
                              f"save one with tokenizers' Tokenizer.save or transformers' save_pretrained") from None
+    return file
 
 
 def build_tokenizer(path: str | None) -> FileTokenizer:
@@ -76,8 +102,8 @@ def build_tokenizer(path: str | None) -> FileTokenizer:
     p = ASSETS_DIR / TOKENIZER_FILE if path is None else Path(path)
     if not p.exists():
         raise TokenizerError(f"model.tokenizer_path {path} does not exist; pass a tokenizer file or its folder")
-    file, tokenizer = _find_tokenizer(p)
+    file = _find_tokenizer(p)
     try:
-        return FileTokenizer(file, tokenizer)
+        return FileTokenizer(file)
     except ValueError as e:
         raise TokenizerError(f"{file.parent / CONFIG_FILE} cannot be read ({e}); fix or remove it") from None

@@ -122,6 +122,15 @@ def _replace_param(module: nn.Module, name: str, mesh: DeviceMesh, placement) ->
     module._parameters[name] = nn.Parameter(distribute_tensor(param, mesh, [placement], src_data_rank=None), param.requires_grad)
 
 
+def replicate_router_gates(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Every MoE block's router gate replicated on `tp` (for any MoE model's TP plan): each tp rank
+    routes with the whole gate, and the MoE forward declares its gradient a partial sum over `tp`."""
+    for _, moe in _moe_blocks(model):
+        for name in ("weight", "bias"):
+            if moe.router.gate._parameters.get(name) is not None:
+                _replace_param(moe.router.gate, name, tp_mesh, Replicate())
+
+
 def apply_moe_model_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """torchtitan's DeepSeek V3 TP plan for attention and dense layers, plus the MoE parts that do
     not depend on the ep degree: a replicated router gate and Megatron-split shared experts whose
@@ -129,10 +138,8 @@ def apply_moe_model_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     from torchtitan.models.deepseek_v3.infra.parallelize import apply_non_moe_tp
 
     apply_non_moe_tp(model, tp_mesh, loss_parallel=False, enable_float8_tensorwise_tp=False, cp_enabled=False)
+    replicate_router_gates(model, tp_mesh)
     for _, moe in _moe_blocks(model):
-        for name in ("weight", "bias"):
-            if moe.router.gate._parameters.get(name) is not None:
-                _replace_param(moe.router.gate, name, tp_mesh, Replicate())
         if moe.shared_experts is not None:
             parallelize_module(
                 moe.shared_experts,

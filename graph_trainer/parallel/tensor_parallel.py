@@ -27,13 +27,11 @@ def _apply_qwen3_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     DeepSeek's is, so that its gradient sums the tp ranks' partial contributions. The plan keeps q, k
     and v as DTensors into SDPA (for the sequence-parallel q/k norms), which on CPU needs the
     strategies DTensor lacks for the CPU flash kernel."""
-    from torch.distributed.tensor import Replicate
     from torchtitan.models.qwen3.infra.parallelize import apply_non_moe_tp
 
     from ..autoparallel.compat import register_cpu_attention_strategies
-    from .expert_parallel import _moe_blocks, _replace_param
+    from .expert_parallel import replicate_router_gates
 
     register_cpu_attention_strategies()
     apply_non_moe_tp(model, tp_mesh, loss_parallel=False, enable_float8_tensorwise_tp=False, enable_async_tp=False, cp_enabled=False)
-    for _, moe in _moe_blocks(model):
-        _replace_param(moe.router.gate, "weight", tp_mesh, Replicate())
+    replicate_router_gates(model, tp_mesh)

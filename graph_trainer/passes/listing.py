@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .registry import load_passes
+from .registry import PASSES
 
 COLUMNS = ("name", "stages", "modes", "requires", "conflicts", "last", "cuda", "description")
 
@@ -16,7 +16,7 @@ def _row(spec) -> tuple[str, ...]:
 
 
 def registry_table() -> str:
-    rows = [COLUMNS, *(_row(spec) for _, spec in sorted(load_passes().items()))]
+    rows = [COLUMNS, *(_row(spec) for _, spec in sorted(PASSES.items()))]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS) - 1)]
     lines = ["  ".join([*(cell.ljust(w) for cell, w in zip(row, widths)), row[-1]]).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in [*widths, len(COLUMNS[-1])]))

@@ -1,7 +1,8 @@
 """The one registry of graph passes. A pass is `fn(gm, ctx) -> gm` plus a declaration whose
 constraints are data: the validator (`passes/validate.py`) reads them before anything heavy runs,
 `--compile.list_passes` prints them, and every mode and backend applies passes only through
-`apply_passes`.
+`apply_passes`. The registry knows no pass: each registers itself, and the package (`__init__.py`)
+imports them all.
 """
 
 from __future__ import annotations
@@ -132,12 +133,6 @@ def register_pass(spec: PassSpec) -> PassSpec:
     return spec
 
 
-def load_passes() -> dict[str, PassSpec]:
-    from . import builtin  # noqa: F401  (registers every pass the package ships)
-
-    return PASSES
-
-
 class Compiled:
     """What a compiling pass returns: calls `fn` with the graph's inputs and keeps the FX graph it was
     built from (`graph_module`, for the dumps).
@@ -163,13 +158,12 @@ def apply_passes(gm: fx.GraphModule, names: list[str], ctx: PassContext, stage: 
     After a compiling pass the dump holds the FX graph the compiled callable was built from, marked
     `compiled: true` in summary.json, so every stage of every backend appears in the dumps.
     """
-    passes = load_passes()
     ctx = dataclasses.replace(ctx, stage=stage)
     if ctx.cfg is not None:  # a job's graph (not a bare one a test builds): prediction.json prices it
         ESTIMATES[stage] = estimate_graph(gm, ctx)
     result: Any = gm
     for name in names:
-        spec = passes[name]
+        spec = PASSES[name]
         if stage not in spec.stages:
             continue
         result = spec.fn(result, ctx)

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from ..config import ConfigError, JobConfig
-from .registry import GRAPH_MODES, OPTIONS, OptionSpec, PassSpec, load_passes
+from .registry import GRAPH_MODES, OPTIONS, PASSES, OptionSpec, PassSpec
 
 
 def _unknown(name: str, known: list[str]) -> ConfigError:
@@ -42,27 +42,26 @@ def check_passes(cfg: JobConfig, device_type: str) -> None:
     """Raise a one-line ConfigError for the first pass constraint the config breaks; when all hold,
     set the environment defaults the chosen passes declare (this runs on every rank before any
     process group exists, which is when such variables must be set)."""
-    passes = load_passes()
     user = list(cfg.compile.passes)
     mode, backend = cfg.compile.mode, cfg.compile.inductor_compilation
     for name in user:
-        if name not in passes:
-            raise _unknown(name, sorted(passes))
+        if name not in PASSES:
+            raise _unknown(name, sorted(PASSES))
     for name in user:
-        if passes[name].set_by:
-            raise ConfigError(f"pass {name!r} is added by {passes[name].set_by}; remove it from --compile.passes")
+        if PASSES[name].set_by:
+            raise ConfigError(f"pass {name!r} is added by {PASSES[name].set_by}; remove it from --compile.passes")
     for name in user:
         if user.count(name) > 1:
             raise ConfigError(f"pass {name!r} is listed {user.count(name)} times in --compile.passes; list it once")
 
     for name in user:
-        if backend in passes[name].excluded_backends:
+        if backend in PASSES[name].excluded_backends:
             raise ConfigError(
                 f"pass {name!r} cannot run with --compile.inductor_compilation {backend}: it does its own "
                 f"{name.replace('_', ' ')}; remove {name!r} from --compile.passes"
             )
 
-    plan = _Plan([passes[n] for n in _backend_passes(cfg)], set(user), mode, backend, device_type)
+    plan = _Plan([PASSES[n] for n in _backend_passes(cfg)], set(user), mode, backend, device_type)
     plan.check()
     check_options(cfg, plan)
     for spec in plan.specs:
@@ -120,7 +119,7 @@ class _Plan:
         """A pass as errors name it: where it did not come from --compile.passes, who added it."""
         if name in self.user:
             return repr(name)
-        return f"{name!r} (added by {load_passes()[name].set_by or '--compile.inductor_compilation ' + self.backend})"
+        return f"{name!r} (added by {PASSES[name].set_by or '--compile.inductor_compilation ' + self.backend})"
 
     def check(self) -> None:
         if self.mode not in GRAPH_MODES and self.specs:
