@@ -9,11 +9,20 @@ forward copy dies after its last forward use. Recomputation repeats the same ops
 so the step's results are bitwise those of the graph without the pass.
 
 Two policies:
-- `memory_budget` (`--activation_checkpoint.mode memory_budget`): greedy under a budget. The
-  activation budget is `--activation_checkpoint.memory_budget` minus what the step keeps anyway
-  (parameters, gradients and the two AdamW moments, all of the parameter shards' size). While the
-  activations saved across the loss exceed it, recompute the storage that frees the most bytes per
-  second of recomputation (time from the cost model's roofline), re-scoring lazily.
+- `memory_budget` (`--activation_checkpoint.mode memory_budget`): greedy under a budget for the step's
+  peak memory, `--activation_checkpoint.memory_budget`. The peak is simulated (`liveness`) over the
+  graph as the rewrite would leave it, in execution order: every value the graph makes (activations,
+  backward's transients such as the fp32 logits and their gradient, gathered parameters, gradients
+  accumulating as outputs) from its op to its last reader, plus what the step holds throughout (the
+  graph's inputs: parameter shards, buffers, batch; AdamW's two moments unless the update is in the
+  graph; earlier microbatches' gradients under accumulation). While the peak exceeds the budget,
+  recompute, among the activations live at the peak, the storage that frees the most bytes per second
+  of recomputation (time from the cost model's roofline), re-scoring lazily and re-simulating once per
+  round of choices. When recomputing what helps cannot bring the peak under the budget, one warning
+  gives the peak reached. The simulation counts the unfused graph: a backend that fuses ops (Inductor)
+  materializes fewer transients, so the measured peak is lower than the simulated one. In `aot` the
+  min-cut partitioner chooses instead, under its own knob: the share of its activations to keep, set
+  to the budget less 4x the parameter shards (no simulation).
 - `op` (`--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op`):
   torchtitan's op-level policy on each transformer block: save the outputs of the ops on its save
   list (every other matmul, attention, ...), recompute the rest; a block's outputs are saved.
@@ -21,8 +30,9 @@ Two policies:
 Offloading to host memory is not done (`ac_offloaded_gib` is always 0): no transfer is scheduled
 behind compute yet, and an unhidden one costs more than recomputing these activations.
 
-The chosen policy goes into the log, into `ctx.report` (the step-1 metrics record's `ac_*` keys) and
-into the `memory_policy` stage of the graph dumps, where every recomputed node is named
+The chosen policy and the simulated peak with it and without (`ac_peak_gib`, `ac_peak_baseline_gib`, of
+which `ac_persistent_gib` is held throughout) go into the log, into `ctx.report` (the step-1 metrics
+record's `ac_*` keys) and into the `memory_policy` stage of the graph dumps, where every recomputed node is named
 `recompute_<forward name>` and carries `node.meta["memory_policy"] = "recomputed"`.
 """
 
@@ -42,11 +52,14 @@ from ..parallel import BLOCK_KEY, OP_SAC_SAVE_LIST
 from ..units import GiB
 from .collectives import forward_end
 from .cost_model import CostModel
+from .liveness import Profile, Simulator, Step, alias_of, simulate
 from .registry import PassContext, PassSpec, register_pass
 
 logger = logging.getLogger("graph_trainer")
 
 RECOMPUTED = "recomputed"
+MAX_MISSES = 8
+"""Rounds in a row that fail to lower the simulated peak before the budget policy gives up."""
 
 
 def policy_name(cfg: Any) -> str | None:
@@ -63,19 +76,6 @@ def policy_name(cfg: Any) -> str | None:
 def activation_passes(cfg: Any) -> list[str]:
     """The passes `--activation_checkpoint` adds in front of the backend's (validated with them)."""
     return ["memory_policy"] if policy_name(cfg) else []
-
-
-def _alias_of(node: fx.Node) -> fx.Node | None:
-    """The node whose storage `node`'s value lives in: views, in-place ops, tuple items."""
-    if node.op != "call_function":
-        return None
-    if node.target is operator.getitem:
-        return node.args[0]
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload) and (target.is_view or target._schema.is_mutable):
-        first = node.args[0] if node.args else None
-        return first if isinstance(first, fx.Node) else None
-    return None
 
 
 def _mutates(node: fx.Node) -> bool:
@@ -115,13 +115,16 @@ class Activations:
         self.forward = {n for n in self.order[: boundary + 1] if n.op == "call_function" and n in depends}
         self.roots: dict[fx.Node, fx.Node] = {}
         for node in self.order:
-            alias = _alias_of(node)
+            alias = alias_of(node)
             self.roots[node] = self.roots.get(alias, alias) if alias is not None else node
         self.by_root: dict[fx.Node, list[fx.Node]] = {}
         for node in self.forward:
             self.by_root.setdefault(self.roots[node], []).append(node)
         mutated = {self.roots[n.args[0]] for n in self.order if _mutates(n) and n.args and isinstance(n.args[0], fx.Node)}
         self.recomputable = {n for n in self.forward if self._recomputable(n, mutated)}
+        self.inputs = {n: n.all_input_nodes for n in self.order}
+        self.steps: list[Step] = [(n, n, {i: i for i in self.inputs[n]}) for n in self.order]
+        """The graph as it stands, as a `liveness` schedule."""
 
     def _recomputable(self, node: fx.Node, mutated: set[fx.Node]) -> bool:
         target = node.target
@@ -148,6 +151,42 @@ class Policy:
     saved_bytes: int
     baseline_bytes: int
     recompute_s: float
+    peak_bytes: int = 0
+    """Simulated peak of the graph's own values with the policy (`liveness`; graph inputs excluded)."""
+    baseline_peak_bytes: int = 0
+    """The same without recomputation."""
+
+
+def schedule(acts: Activations, recompute: set[fx.Node]) -> list[Step]:
+    """The graph as `recompute_in_backward` will leave it, without rewriting it: recomputed copies
+    (keyed `(RECOMPUTED, node)`) just before their first backward reader, forward values nothing
+    reads any more left out."""
+    gone: set[fx.Node] = set()
+    for node in reversed(acts.order):
+        if node in recompute and all(acts.is_backward(u) or u in gone for u in node.users):
+            gone.add(node)
+    steps: list[Step] = []
+    copies: dict[fx.Node, tuple[str, fx.Node]] = {}
+
+    def materialize(node: fx.Node) -> Any:
+        if node not in recompute:
+            return node
+        if node not in copies:
+            for i in acts.inputs[node]:
+                materialize(i)
+            copies[node] = (RECOMPUTED, node)
+            steps.append((copies[node], node, {i: copies.get(i, i) for i in acts.inputs[node]}))
+        return copies[node]
+
+    for step in acts.steps:
+        node = step[1]
+        if node in gone:
+            continue
+        if acts.is_backward(node) and any(i in recompute for i in acts.inputs[node]):
+            steps.append((node, node, {i: materialize(i) for i in acts.inputs[node]}))
+        else:
+            steps.append(step)
+    return steps
 
 
 class _Ledger:
@@ -223,6 +262,13 @@ class _Ledger:
                     self.readers[i] += 1
         return newly
 
+    def snapshot(self) -> tuple:
+        return set(self.rc), dict(self.readers), dict(self.held), self.bytes
+
+    def restore(self, state: tuple) -> None:
+        rc, readers, held, self.bytes = state
+        self.rc, self.readers, self.held = set(rc), dict(readers), dict(held)
+
     def _release(self, node: fx.Node) -> None:
         root = self.acts.roots[node]
         self.held[root] -= 1
@@ -234,12 +280,23 @@ class _Ledger:
 
 
 def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callable[[fx.Node], float]) -> Policy:
-    """Greedy: while the held bytes exceed the budget, recompute the held storage with the most bytes
-    freed per second of recomputation (scores refreshed lazily: a popped candidate whose fresh score
-    is below the next one's goes back into the heap)."""
+    """Greedy on the simulated peak of the graph's own values (`budget_bytes`: the step's budget less
+    what it holds besides them). Each round, while the peak exceeds the budget, recompute held
+    storages live at the peak, the most bytes freed per second of recomputation first (scores
+    refreshed lazily: a popped candidate whose fresh score is below the next one's goes back into the
+    heap), until their bytes cover the excess; then simulate again. A round that does not lower the
+    peak is undone and retried with half the bytes (a lone candidate that does not help is dropped);
+    `MAX_MISSES` such rounds in a row end the search."""
     ledger = _Ledger(acts)
     baseline = ledger.bytes
     keep = lambda n: False  # noqa: E731  (the budget policy may recompute through any intermediate)
+    simulator = Simulator()
+    times: dict[fx.Node, float] = {}
+
+    def node_time_of(node: fx.Node) -> float:
+        if node not in times:
+            times[node] = node_time(node)
+        return times[node]
 
     def score(root: fx.Node) -> tuple[float, set[fx.Node]] | None:
         members = ledger.members(root)
@@ -249,7 +306,7 @@ def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callab
         freed = -ledger.delta(chain)
         if freed <= 0:
             return None
-        return freed / max(sum(node_time(n) for n in chain), 1e-12), chain
+        return freed / max(sum(node_time_of(n) for n in chain), 1e-12), chain
 
     heap: list[tuple[float, int, fx.Node]] = []
 
@@ -258,19 +315,50 @@ def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callab
         if found is not None:
             heapq.heappush(heap, (-found[0], acts.pos[root], root))
 
+    def at_peak(root: fx.Node, profile: Profile) -> bool:
+        return any(profile.owner.get(n) in profile.alive for n in ledger.members(root))
+
     for root in list(ledger.held):
         push(root)
-    while ledger.bytes > budget_bytes and heap:
-        _, _, root = heapq.heappop(heap)
-        found = score(root)
-        if found is None:
+    profile = first = simulator(schedule(acts, ledger.rc))
+    cap, misses = float("inf"), 0
+    while profile.peak > budget_bytes and heap and misses < MAX_MISSES:
+        before, queued = ledger.snapshot(), list(heap)
+        target, freed, chosen, later = min(profile.peak - budget_bytes, cap), 0, [], []
+        while freed < target and heap:
+            _, _, root = heapq.heappop(heap)
+            found = score(root)
+            if found is None:
+                continue
+            if heap and found[0] < -heap[0][0]:
+                heapq.heappush(heap, (-found[0], acts.pos[root], root))
+                continue
+            if not at_peak(root, profile):
+                later.append(root)
+                continue
+            held = ledger.bytes
+            for new in ledger.apply(found[1]):
+                push(acts.roots[new])
+            freed += held - ledger.bytes
+            chosen.append(root)
+        for root in later:
+            push(root)
+        if not chosen:
+            break
+        lowered = simulator(schedule(acts, ledger.rc))
+        if lowered.peak < profile.peak:
+            profile, cap, misses = lowered, float("inf"), 0
             continue
-        if heap and found[0] < -heap[0][0]:
-            heapq.heappush(heap, (-found[0], acts.pos[root], root))
-            continue
-        for new in ledger.apply(found[1]):
-            push(acts.roots[new])
-    return Policy(ledger.rc, ledger.bytes, baseline, sum(node_time(n) for n in ledger.rc))
+        # Too much at once (the copies in backward outweigh what they free) or the wrong storage:
+        # undo, then try half as much, and drop a single candidate that does not help.
+        ledger.restore(before)
+        heap[:] = queued
+        misses += 1
+        if len(chosen) == 1:
+            heap[:] = [entry for entry in heap if entry[2] is not chosen[0]]
+            heapq.heapify(heap)
+        cap = freed / 2
+    return Policy(ledger.rc, ledger.bytes, baseline, sum(node_time_of(n) for n in ledger.rc), profile.peak, first.peak)
 
 
 def plan_op_policy(acts: Activations, save_ops: set[Any], node_time: Callable[[fx.Node], float]) -> Policy:
@@ -300,7 +388,8 @@ def plan_op_policy(acts: Activations, save_ops: set[Any], node_time: Callable[[f
             chain = ledger.closure([node], stop)
             if chain:
                 ledger.apply(chain)
-    return Policy(ledger.rc, ledger.bytes, baseline, sum(node_time(n) for n in ledger.rc))
+    peak, first = (simulate(schedule(acts, rc)).peak for rc in (ledger.rc, set()))
+    return Policy(ledger.rc, ledger.bytes, baseline, sum(node_time(n) for n in ledger.rc), peak, first)
 
 
 def recompute_in_backward(gm: fx.GraphModule, acts: Activations, recompute: set[fx.Node]) -> fx.GraphModule:
@@ -349,12 +438,28 @@ def state_bytes(ctx: PassContext) -> int:
     return 4 * sum(nbytes(t) for t in ctx.example_inputs[: ctx.num_params])
 
 
-def activation_budget(ctx: PassContext) -> float:
-    """`--activation_checkpoint.memory_budget` less what the step holds besides activations."""
+def persistent_bytes(gm: fx.GraphModule, ctx: PassContext) -> int:
+    """What the step holds while its graph runs besides the values the graph makes: the graph's
+    inputs (parameter shards, buffers, the batch, and AdamW's state when the update is in the graph),
+    AdamW's two moments when it is not, and under gradient accumulation the gradients of the earlier
+    microbatches. The graph's own gradients are graph outputs: the simulation counts them."""
+    inputs = [nbytes(n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")]
+    params = sum(inputs[: ctx.num_params])
+    moments = 0 if ctx.cfg.compile.optimizer_in_graph else 2 * params
+    accumulated = params if ctx.cfg.training.gradient_accumulation_steps > 1 else 0
+    return sum(inputs) + moments + accumulated
+
+
+def step_budget(ctx: PassContext) -> float:
+    """`--activation_checkpoint.memory_budget` in bytes: the most the step may hold at once."""
     from ..autoparallel.entry import device_memory_bytes, parse_memory_budget
 
-    total = parse_memory_budget(ctx.cfg.activation_checkpoint.memory_budget, device_memory_bytes(), flag=BUDGET_FLAG)
-    return total - state_bytes(ctx)
+    return parse_memory_budget(ctx.cfg.activation_checkpoint.memory_budget, device_memory_bytes(), flag=BUDGET_FLAG)
+
+
+def activation_budget(ctx: PassContext) -> float:
+    """aot's share for activations: the step's budget less what it holds besides them."""
+    return step_budget(ctx) - state_bytes(ctx)
 
 
 def _batch_placeholders(gm: fx.GraphModule, ctx: PassContext) -> set[fx.Node]:
@@ -363,12 +468,10 @@ def _batch_placeholders(gm: fx.GraphModule, ctx: PassContext) -> set[fx.Node]:
     return set(gm.graph.find_nodes(op="placeholder")[first : first + 2])
 
 
-def _log(name: str, saved: int, baseline: int, recomputed: int, budget: float | None, extra: str = "") -> None:
-    fits = "" if budget is None or saved <= budget else " (over it: nothing more can be recomputed)"
+def _log(name: str, saved: int, baseline: int, recomputed: int, extra: str, tail: str) -> None:
     logger.info(
         f"memory policy {name}: activations saved {saved / GiB:.3f} GiB of {baseline / GiB:.3f}, recomputed "
-        f"{recomputed / GiB:.3f} GiB{extra}, offloaded 0 GiB"
-        + (f"; activation budget {budget / GiB:.3f} GiB{fits}" if budget is not None else "")
+        f"{recomputed / GiB:.3f} GiB{extra}, offloaded 0 GiB; {tail}"
     )
 
 
@@ -383,15 +486,24 @@ def _train_step(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     name = policy_name(ctx.cfg)
     acts = Activations(gm, _batch_placeholders(gm, ctx))
     node_time = CostModel.for_context(ctx).node_time
-    budget = activation_budget(ctx) if name == "memory_budget" else None
+    persistent = persistent_bytes(gm, ctx)
+    budget = step_budget(ctx) if name == "memory_budget" else None
     if budget is not None:
-        policy = plan_memory_budget(acts, budget, node_time)
+        policy = plan_memory_budget(acts, budget - persistent, node_time)
     else:
         policy = plan_op_policy(acts, OP_SAC_SAVE_LIST, node_time)
     recomputed = recomputed_bytes(acts, policy.recompute)
     recompute_in_backward(gm, acts, policy.recompute)
-    _report(ctx, policy.saved_bytes, recomputed, budget, ac_baseline_gib=policy.baseline_bytes / GiB, ac_recompute_s=policy.recompute_s)
-    _log(name, policy.saved_bytes, policy.baseline_bytes, recomputed, budget, f" (est. {policy.recompute_s * 1e3:.1f} ms)")
+    peak, without = persistent + policy.peak_bytes, persistent + policy.baseline_peak_bytes
+    _report(ctx, policy.saved_bytes, recomputed, budget, ac_baseline_gib=policy.baseline_bytes / GiB,
+            ac_recompute_s=policy.recompute_s, ac_peak_gib=peak / GiB, ac_peak_baseline_gib=without / GiB,
+            ac_persistent_gib=persistent / GiB)
+    _log(name, policy.saved_bytes, policy.baseline_bytes, recomputed, f" (est. {policy.recompute_s * 1e3:.1f} ms)",
+         f"simulated peak {peak / GiB:.3f} GiB ({without / GiB:.3f} without recomputation, {persistent / GiB:.3f} of it "
+         "parameters, optimizer state and inputs)" + ("" if budget is None else f", budget {budget / GiB:.3f} GiB"))
+    if budget is not None and peak > budget:
+        logger.warning(f"memory policy memory_budget: the budget of {budget / GiB:.3f} GiB cannot be met: recomputing all "
+                       f"that lowers the simulated peak leaves {peak / GiB:.3f} GiB")
     return gm
 
 
@@ -404,7 +516,8 @@ def _joint(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     share = min(1.0, max(0.0, budget / baseline)) if baseline else 1.0
     first = next(n for n in gm.graph.nodes if n.op == "call_function")
     first.meta[PARTITIONER_BUDGET_META] = share
-    _report(ctx, 0, 0, budget, ac_baseline_gib=baseline / GiB, ac_partitioner_budget=share)
+    _report(ctx, 0, 0, step_budget(ctx), ac_baseline_gib=baseline / GiB, ac_partitioner_budget=share,
+            ac_activation_budget_gib=budget / GiB)
     return gm
 
 
@@ -418,9 +531,12 @@ def _forward(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     report = ctx.report.get("memory_policy", {})
     baseline = int(report.get("ac_baseline_gib", 0) * GiB)
     budget = report.get("ac_budget_gib")
+    activations = report.get("ac_activation_budget_gib")
     _report(ctx, saved, max(0, baseline - saved), None if budget is None else budget * GiB)
-    _log("memory_budget", saved, baseline, max(0, baseline - saved), None if budget is None else budget * GiB,
-         f" (min-cut partitioner at budget share {report.get('ac_partitioner_budget', 1.0):.2f})")
+    tail = "" if activations is None else f"activation budget {activations:.3f} GiB" + (
+        " (over it: nothing more can be recomputed)" if saved > activations * GiB else "")
+    _log("memory_budget", saved, baseline, max(0, baseline - saved),
+         f" (min-cut partitioner at budget share {report.get('ac_partitioner_budget', 1.0):.2f})", tail)
     return gm
 
 
