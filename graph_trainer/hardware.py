@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Mapping
 
 import torch
@@ -93,17 +94,24 @@ CHOICES = ("auto", *KINDS)
 
 
 def hardware_for(device: torch.device) -> Hardware:
-    """The kind of the device a job runs on; a GPU job planned where there is no GPU (`graph-trainer
-    plan`) is priced as the H100."""
+    """The kind of the device a job runs on, with that GPU's own memory size; a GPU job planned where
+    there is no GPU (`graph-trainer plan`) is priced as the H100."""
     if device.type != "cuda":
         return CPU_GLOO
     if not torch.cuda.is_available():
         return H100
-    return H200 if "H200" in torch.cuda.get_device_name(device) else H100
+    return _cuda_kind(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
+
+
+@lru_cache(maxsize=None)
+def _cuda_kind(name: str, total_memory: int) -> Hardware:
+    return dataclasses.replace(H200 if "H200" in name else H100, device_memory_bytes=float(total_memory))
 
 
 def select(choice: str, device: torch.device) -> Hardware:
-    """`--compile.hardware`: a named kind, or `auto` for the device the job runs on."""
+    """`--compile.hardware`: a named kind, or `auto` for the device the job runs on. The one place
+    the solver, the cost-model passes, the prediction file and `graph-trainer plan` get their numbers
+    (and the device memory the memory budgets are fractions of) from."""
     return hardware_for(device) if choice == "auto" else KINDS[choice]
 
 

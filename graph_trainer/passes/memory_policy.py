@@ -38,6 +38,7 @@ import torch
 from torch import fx
 
 from ..graph_dump import nbytes
+from ..hardware import select
 from ..parallel import BLOCK_KEY, OP_SAC_SAVE_LIST
 from ..units import GiB
 from .collectives import forward_end
@@ -351,9 +352,10 @@ def state_bytes(ctx: PassContext) -> int:
 
 def activation_budget(ctx: PassContext) -> float:
     """`--activation_checkpoint.memory_budget` less what the step holds besides activations."""
-    from ..autoparallel.entry import device_memory_bytes, parse_memory_budget
+    from ..autoparallel.entry import parse_memory_budget
 
-    total = parse_memory_budget(ctx.cfg.activation_checkpoint.memory_budget, device_memory_bytes(), flag=BUDGET_FLAG)
+    memory = select(ctx.cfg.compile.hardware, ctx.device).device_memory_bytes
+    total = parse_memory_budget(ctx.cfg.activation_checkpoint.memory_budget, memory, flag=BUDGET_FLAG)
     return total - state_bytes(ctx)
 
 
