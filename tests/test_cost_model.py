@@ -144,3 +144,19 @@ def test_training_writes_the_prediction_of_its_graph(tmp_path):
     memory = pred["memory_gib"]
     assert memory["params"] * GiB == pytest.approx(numel * 4 / 2) and memory["optimizer"] == 2 * memory["params"]
     assert memory["activations"] > 0 and memory["gathered_params"] > 0
+
+
+def test_each_kernel_costs_at_least_the_floor():
+    """The solver prices an op's forward and backward kernels at max(roofline, launch floor) each: a
+    tiny op is floor-bound, an 8192^3 bf16 matmul roofline-bound (the floor adds nothing to it)."""
+    from graph_trainer.autoparallel.costs import compute_time
+    from graph_trainer.autoparallel.strategies import Strategy
+
+    hw, one = hardware.H100, Strategy(((),), ((), ()))
+    assert compute_time(0.0, [4.0, 4.0], [4.0], one, (), torch.float32, hw, needs_grad=True) == 2 * hw.launch_s
+    assert compute_time(0.0, [4.0, 4.0], [4.0], one, (), torch.float32, hw, needs_grad=False) == hw.launch_s
+    n = 8192
+    flops, nbytes = 2.0 * n**3, 3 * 2.0 * n * n
+    big = hardware.roofline_s(flops, nbytes, torch.bfloat16, hw)
+    assert big > hw.launch_s
+    assert compute_time(flops, [2.0 * n * n] * 2, [2.0 * n * n], one, (), torch.bfloat16, hw, needs_grad=True) == 3 * big

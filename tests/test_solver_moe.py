@@ -129,3 +129,26 @@ def test_auto_placed_deepseek_trains_like_manual(tmp_path, ep):
     summary = json.loads((tmp_path / "auto" / "graphs" / "summary.json").read_text())
     a2a = summary["stages"][0]["collectives"].get("all_to_all", {"count": 0})["count"]
     assert a2a == (25 if ep == "2" else 0)  # 5 MoE layers x (3 forward + 2 backward) under EP
+
+
+def test_dispatch_kernel_count_is_the_traced_one():
+    """moe.DISPATCH_KERNELS prices each non-GEMM kernel of the routed experts at the per-kernel floor:
+    it must be what the dispatch (forward and backward) runs, counted on its traced graph."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graph_trainer.autoparallel.moe import DISPATCH_GEMMS, DISPATCH_KERNELS
+    from graph_trainer.parallel.moe_dispatch import DispatchPlan, dispatch_and_combine
+
+    def step(x, scores, ids, w1, w2, w3):
+        out = dispatch_and_combine(DispatchPlan(4, 2, None, 0.0, False), x, scores, ids, w1, w2, w3).output
+        return torch.autograd.grad(out.sum(), (x, scores, w1, w2, w3))
+
+    weights = [torch.randn(4, 12, 8, requires_grad=True), torch.randn(4, 8, 12, requires_grad=True),
+               torch.randn(4, 12, 8, requires_grad=True)]
+    x, scores = torch.randn(16, 8, requires_grad=True), torch.rand(16, 2, requires_grad=True)
+    gm = make_fx(step)(x, scores, torch.randint(0, 4, (16, 2)), *weights)
+    kernels = [n.target for n in gm.graph.nodes
+               if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and not n.target.is_view]
+    # the harness adds two: `out.sum()` and the ones its gradient starts from
+    assert len(kernels) - 2 == DISPATCH_KERNELS
+    assert sum(1 for k in kernels if "grouped_mm" in str(k)) == DISPATCH_GEMMS

@@ -151,7 +151,8 @@ def place(model: nn.Module, spec: Any, args: Any, meshes: Any, mp: Any, cfg: Job
         # half: Meta's memory row counts parameters only, the rest is for activations
         budget = parse_memory_budget(cfg.compile.autoparallel_memory_budget, hw.device_memory_bytes)
         # one GPU: a 1-D mesh of size 1 (on the 3-D one, Meta's program would weigh every layout on every dim)
-        return meta_place(model, batch, meshes.dense[info.solver_names or ("dp_shard",)], mp, budget)
+        return meta_place(model, batch, meshes.dense[info.solver_names or ("dp_shard",)], mp, budget,
+                          exported=cfg.compile.mode == "aot")
 
     from ..parallel.compat import is_fake_process_group, is_lead_process
     from .apply import apply_plan
