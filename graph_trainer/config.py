@@ -129,7 +129,9 @@ class Compile:
     autoparallel_impl: Literal["builtin", "meta"] = "builtin"
     """Solver implementation: ours, or Meta's autoparallel package if installed."""
     autoparallel_memory_budget: str = ""
-    """Per-rank cap on parameters + gradients + optimizer state: a fraction of device memory (0.5) or GiB (20GiB)."""
+    """Per-rank memory cap of a plan: a fraction of device memory (0.5) or GiB (20GiB). The built-in solver counts
+    parameters, gradients, optimizer state and the activations the AC policy keeps (default 0.85); Meta's placer
+    parameters alone (default 0.5)."""
     autoparallel_plan: str = ""
     """Reuse a plan.json written by `graph-trainer plan` instead of solving."""
     hardware: Literal["auto", "h100", "h200", "cpu"] = "auto"

@@ -9,8 +9,12 @@ Spec sheets (dense, no sparsity), and what we take as reachable:
 - NVLink 4 inside an 8-GPU HGX node: 900 GB/s per GPU both directions together, 450 GB/s per
   direction; NCCL rings reach about 80% of it, so 360 GB/s is used. Between nodes one 400 Gb/s NDR
   InfiniBand NIC per GPU: 50 GB/s, 40 GB/s used. Latency per ring step 10 us (NVLink) and 20 us (IB).
-- A kernel costs at least `launch_s` of host time (launch and dispatch; 8 us measured order for eager
-  PyTorch ops on the H100), which is what small models are bound by.
+- A kernel costs at least `launch_s`, its floor: the host's work per op (Python, dispatcher, launch),
+  which is what small models are bound by. H100 (and H200, same hosts): 58 us, the floor at which
+  the solver's price of llama3 debug (8 x 2048 tokens, one GPU, aot_fx_trace without Inductor: one
+  kernel per aten op) equals its measured step, 27.5 ms (bench/results/2026-11-23-h100-parts/
+  1-bitwise-debug-deepseek.json), where the roofline alone gives 6.0 ms for its 477 kernels. It
+  includes the trainer's per-step work spread over the kernels, so it is an upper figure per kernel.
 - CPU-gloo (the shared test machines, 2 ranks over loopback, one thread each): a 2-rank all-gather
   took 0.25 ms at 8 KB and moved 0.2-0.5 GB/s, fp32 mm ran at 23 GFLOP/s, copies at 2-4 GB/s.
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Mapping
 
 import torch
@@ -45,8 +50,8 @@ class Hardware:
     intra_latency_s: float = 10e-6
     """Seconds per ring step inside a node."""
     inter_latency_s: float = 20e-6
-    launch_s: float = 8e-6
-    """Host time per kernel or collective launch."""
+    launch_s: float = 58e-6
+    """The least time of one kernel (each op costs max(roofline, this)) and the host time of a collective's launch."""
     gpus_per_node: int = 8
     device_memory_bytes: float = 80 * GiB
     max_bucket_bytes: int = 1 * GiB
@@ -93,17 +98,24 @@ CHOICES = ("auto", *KINDS)
 
 
 def hardware_for(device: torch.device) -> Hardware:
-    """The kind of the device a job runs on; a GPU job planned where there is no GPU (`graph-trainer
-    plan`) is priced as the H100."""
+    """The kind of the device a job runs on, with that GPU's own memory size; a GPU job planned where
+    there is no GPU (`graph-trainer plan`) is priced as the H100."""
     if device.type != "cuda":
         return CPU_GLOO
     if not torch.cuda.is_available():
         return H100
-    return H200 if "H200" in torch.cuda.get_device_name(device) else H100
+    return _cuda_kind(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
+
+
+@lru_cache(maxsize=None)
+def _cuda_kind(name: str, total_memory: int) -> Hardware:
+    return dataclasses.replace(H200 if "H200" in name else H100, device_memory_bytes=float(total_memory))
 
 
 def select(choice: str, device: torch.device) -> Hardware:
-    """`--compile.hardware`: a named kind, or `auto` for the device the job runs on."""
+    """`--compile.hardware`: a named kind, or `auto` for the device the job runs on. The one place
+    the solver, the cost-model passes, the prediction file and `graph-trainer plan` get their numbers
+    (and the device memory the memory budgets are fractions of) from."""
     return hardware_for(device) if choice == "auto" else KINDS[choice]
 
 

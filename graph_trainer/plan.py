@@ -3,7 +3,8 @@ with `--against meta` also solve it with Meta's AutoParallel and compare (autopa
 
 The mesh is simulated by a fake process group of the mesh's size in this one process (no memory,
 no communication); the model lives on the meta device and is traced on fake tensors. Costs are
-those of the GPU run the plan is for (H100 defaults, bf16 compute unless the config says otherwise).
+those of the GPU run the plan is for (`--compile.hardware`; `auto` is the H100 where there is no GPU,
+bf16 compute unless the config says otherwise).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     from .autoparallel.entry import mesh_info, param_dtype_for, solve
     from .autoparallel.moe import prepare_model
     from .data.tokenizer import build_tokenizer, document_separator
+    from .hardware import select
     from .parallel.compat import init_fake_process_group
 
     info = mesh_info(degrees)
@@ -47,7 +49,8 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     model = models.build_on_meta(spec, args, "cpu")
     models.install_attention_masks(model, document_separator(build_tokenizer(cfg.model.tokenizer_path or None)))
     prepare_model(model)
-    return solve(cfg, model, args, info, solver_mesh, torch.device("cpu"), param_dtype_for(cfg, "cuda"))
+    hw = select(cfg.compile.hardware, torch.device("cuda"))
+    return solve(cfg, model, args, info, solver_mesh, torch.device("cpu"), param_dtype_for(cfg, "cuda"), hw)
 
 
 def _against(argv: list[str]) -> tuple[str | None, list[str]]:

@@ -270,10 +270,6 @@ def check_autoparallel(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> No
                               "add --model.attention sdpa, or use --compile.autoparallel_impl builtin")
         if c.autoparallel_plan:
             raise ConfigError("compile.autoparallel_plan holds a plan of the built-in solver; drop it or use --compile.autoparallel_impl builtin")
-        if c.mode == "aot":
-            # Meta's placed module runs its own AOTAutograd-compiled function; exporting the step around
-            # it fails inside ("Attempting to use FunctionalTensor on its own", CPU, torch 2.13).
-            raise ConfigError("--compile.autoparallel_impl meta does not run in --compile.mode aot yet: use --compile.mode aot_fx_trace")
     from .autoparallel.entry import EP_DIM, check_plan_file, parse_memory_budget
 
     ep, dp_shard = degrees[3], degrees[1]

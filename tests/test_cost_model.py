@@ -4,7 +4,6 @@ memory model with activations, and what happens when HiGHS does not prove a plan
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 
@@ -15,6 +14,7 @@ from test_bucketing import fake_pg, trace_llama  # noqa: F401  (fake_pg is a fix
 
 from graph_trainer import hardware
 from graph_trainer.autoparallel import program
+from graph_trainer.autoparallel.entry import PLAN_MEMORY_SHARE
 from graph_trainer.autoparallel.memory import ActivationPolicy
 from graph_trainer.config import ConfigError, parse_args
 from graph_trainer.passes.bucketing import SCHEDULE_META, auto_bucketing
@@ -57,31 +57,42 @@ def test_prediction_is_the_bucketing_pass_estimate(fake_pg):
     assert predicted.hardware["hardware"] == "cpu"
 
 
-def _plan_with(monkeypatch, policy: ActivationPolicy, *flags: str) -> dict:
-    """`graph-trainer plan` of llama3 debug on 2 ranks with the solver told the AC policy."""
-    from graph_trainer.autoparallel import entry, planner
+def _plan(*flags: str) -> dict:
+    """`graph-trainer plan` of llama3 debug on 2 ranks."""
     from graph_trainer.plan import make_plan
 
-    solve = planner.plan_model
-    monkeypatch.setattr(entry, "plan_model", lambda *a: solve(*a[:-1], dataclasses.replace(a[-1], activations=policy)))
     return make_plan(parse_args(["--config", "configs/llama3_debug.toml", "--parallelism.dp_shard", "2", *flags]))
 
 
-def test_activations_count_against_the_memory_budget(monkeypatch):
+def test_activations_count_against_the_memory_budget():
     """llama3 debug, batch 8 x 2048 on 2 ranks: parameters and Adam state take a few MiB, the
-    activations saved for backward hundreds. A budget that holds the states but not the activations
-    is refused with what the job needs; full activation checkpointing (block inputs kept, one block
+    activations saved for backward hundreds. The plan counts those the job's
+    `--activation_checkpoint.mode` keeps: a budget that holds the states but not the activations is
+    refused with what the job needs; full activation checkpointing (block inputs kept, one block
     recomputed at a time) fits it."""
     shape = ("--training.batch_size", "8", "--training.seq_len", "2048")
-    kept = _plan_with(monkeypatch, ActivationPolicy("none"), *shape)["predicted"]["memory_bytes"]
-    recomputed = _plan_with(monkeypatch, ActivationPolicy("full"), *shape)["predicted"]["memory_bytes"]
+    kept = _plan(*shape)["predicted"]["memory_bytes"]
+    full = ("--activation_checkpoint.mode", "full")
+    recomputed = _plan(*shape, *full)["predicted"]["memory_bytes"]
     assert kept["activations"] > 10 * kept["states"] and recomputed["activations"] < kept["activations"] / 3
     budget = (kept["states"] + kept["activations"]) / 2
     assert recomputed["states"] + recomputed["activations"] + recomputed["gathered_params"] < budget
+    tight = ("--compile.autoparallel_memory_budget", f"{budget / GiB:.3f}GiB")
     with pytest.raises(ConfigError, match=r"activations saved for backward \d+\.\d\d .* need at least (\d+\.\d\d) GiB") as e:
-        _plan_with(monkeypatch, ActivationPolicy("none"), *shape, "--compile.autoparallel_memory_budget", f"{budget / GiB:.3f}GiB")
+        _plan(*shape, *tight)
     assert "\n" not in str(e.value) and "--activation_checkpoint.mode full" in str(e.value)
-    _plan_with(monkeypatch, ActivationPolicy("full"), *shape, "--compile.autoparallel_memory_budget", f"{budget / GiB:.3f}GiB")
+    assert _plan(*shape, *full, *tight)["predicted"]["activation_checkpoint"] == "full"
+
+
+def test_plan_is_priced_on_the_chosen_hardware():
+    """`graph-trainer plan` runs where there is no GPU: `auto` prices the H100, the flag another kind,
+    whose memory the default budget follows; the H200's faster HBM shortens the memory-bound ops."""
+    h100 = _plan()["predicted"]
+    h200 = _plan("--compile.hardware", "h200")["predicted"]
+    assert h100["hardware"]["hardware"] == "h100" and h200["hardware"]["hardware"] == "h200"
+    assert h100["memory_budget_bytes"] == PLAN_MEMORY_SHARE * hardware.H100.device_memory_bytes
+    assert h200["memory_budget_bytes"] == PLAN_MEMORY_SHARE * hardware.H200.device_memory_bytes
+    assert h200["compute_and_optimizer_s"] < h100["compute_and_optimizer_s"]
 
 
 def test_selective_ac_recomputes_every_nth_block():
@@ -133,3 +144,19 @@ def test_training_writes_the_prediction_of_its_graph(tmp_path):
     memory = pred["memory_gib"]
     assert memory["params"] * GiB == pytest.approx(numel * 4 / 2) and memory["optimizer"] == 2 * memory["params"]
     assert memory["activations"] > 0 and memory["gathered_params"] > 0
+
+
+def test_each_kernel_costs_at_least_the_floor():
+    """The solver prices an op's forward and backward kernels at max(roofline, launch floor) each: a
+    tiny op is floor-bound, an 8192^3 bf16 matmul roofline-bound (the floor adds nothing to it)."""
+    from graph_trainer.autoparallel.costs import compute_time
+    from graph_trainer.autoparallel.strategies import Strategy
+
+    hw, one = hardware.H100, Strategy(((),), ((), ()))
+    assert compute_time(0.0, [4.0, 4.0], [4.0], one, (), torch.float32, hw, needs_grad=True) == 2 * hw.launch_s
+    assert compute_time(0.0, [4.0, 4.0], [4.0], one, (), torch.float32, hw, needs_grad=False) == hw.launch_s
+    n = 8192
+    flops, nbytes = 2.0 * n**3, 3 * 2.0 * n * n
+    big = hardware.roofline_s(flops, nbytes, torch.bfloat16, hw)
+    assert big > hw.launch_s
+    assert compute_time(flops, [2.0 * n * n] * 2, [2.0 * n * n], one, (), torch.bfloat16, hw, needs_grad=True) == 3 * big

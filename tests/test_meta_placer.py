@@ -70,11 +70,14 @@ def _assert_close_to_manual(meta: list[dict], manual: list[dict]) -> None:
 
 @needs_meta
 @pytest.mark.slow
-def test_meta_places_two_ranks_under_a_tight_budget_and_trains_like_simple_fsdp(tmp_path):
+@pytest.mark.parametrize("mode", ["aot_fx_trace", "aot"])
+def test_meta_places_two_ranks_under_a_tight_budget_and_trains_like_simple_fsdp(tmp_path, mode):
+    """aot exports the step around Meta's placed forward graph and derives its backward
+    (meta_adapter._forward_graph); aot_fx_trace traces Meta's own forward and backward."""
     # 55% of the fp32 parameter + gradient + Adam state per rank: Meta must shard most parameters
     state = sum(p.numel() for p in _model(SMALL).parameters()) * 16
     budget_mib = round(0.55 * state / 2**20, 1)
-    flags = [*TRAIN, "--compile.mode", "aot_fx_trace", "--parallelism.dp_shard", "2"]
+    flags = [*TRAIN, "--compile.mode", mode, "--parallelism.dp_shard", "2"]
     meta = run_train([*flags, *META, "--compile.autoparallel_memory_budget", f"{budget_mib}MiB"], tmp_path / "meta", nproc=2)
     manual = run_train(flags, tmp_path / "manual", nproc=2)
     _assert_close_to_manual(meta, manual)
@@ -89,8 +92,9 @@ def test_meta_places_two_ranks_under_a_tight_budget_and_trains_like_simple_fsdp(
 
 @needs_meta
 @pytest.mark.slow
-def test_meta_places_fsdp_x_tp_on_four_ranks_and_trains(tmp_path):
-    flags = [*TRAIN, "--compile.mode", "aot_fx_trace", "--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
+@pytest.mark.parametrize("mode", ["aot_fx_trace", "aot"])
+def test_meta_places_fsdp_x_tp_on_four_ranks_and_trains(tmp_path, mode):
+    flags = [*TRAIN, "--compile.mode", mode, "--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
     meta = run_train([*flags, *META], tmp_path / "meta", nproc=4)
     manual = run_train(flags, tmp_path / "manual", nproc=4)
     _assert_close_to_manual(meta, manual)
@@ -127,16 +131,6 @@ def test_plan_against_meta_prices_both_plans_under_both_models(tmp_path):
     assert own["objective_s"] <= other["objective_s"] * (1 + 1e-6)
     own, other = result["plans"]["meta"]["predicted"]["meta"], result["plans"]["builtin"]["predicted"]["meta"]
     assert own["objective_s"] <= other["objective_s"] * (1 + 1e-6)
-
-
-@needs_meta
-def test_meta_in_aot_mode_is_refused_up_front():
-    from graph_trainer.config import ConfigError, parse_args
-    from graph_trainer.validate import validate
-
-    cfg = parse_args([*META, "--compile.mode", "aot", "--parallelism.dp_shard", "2"])
-    with pytest.raises(ConfigError, match="does not run in --compile.mode aot yet: use --compile.mode aot_fx_trace"):
-        validate(cfg, world_size=2, device_type="cpu")
 
 
 def test_plan_against_another_solver_is_refused_in_one_line(tmp_path):

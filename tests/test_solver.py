@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -42,7 +43,10 @@ def test_collective_formulas():
 
 @pytest.mark.slow
 def test_dp_mesh_gives_fsdp():
-    p = plan("--model.flavor", "8B", "--training.seq_len", "8192", "--training.batch_size", "8", "--parallelism.dp_shard", "8")
+    # full AC: without it one 8192-token sequence per rank keeps 92 GiB of activations, over the H100's
+    # default budget (the plan counts what the AC policy keeps)
+    p = plan("--model.flavor", "8B", "--training.seq_len", "8192", "--training.batch_size", "8", "--parallelism.dp_shard", "8",
+             "--activation_checkpoint.mode", "full")
     assert p["batch_spec"] == ["S0"]
     for name in LINEARS:
         entry = p["params"][f"layers.*.{name}.weight"]
@@ -56,8 +60,12 @@ def test_dp_mesh_gives_fsdp():
 
 @pytest.mark.slow
 def test_tp_mesh_gives_column_then_row_parallel():
-    p = plan("--model.flavor", "8B", "--training.seq_len", "2048", "--training.batch_size", "1",
-             "--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--compile.autoparallel_memory_budget", "70GiB")
+    # 8192 tokens: with fewer, a norm's kernel is under the per-kernel floor replicated as much as
+    # sequence-split, and one all-reduce then beats an all-gather + reduce-scatter. Full AC: the kept
+    # activations would not fit beside the states (60 GiB)
+    p = plan("--model.flavor", "8B", "--training.seq_len", "8192", "--training.batch_size", "1",
+             "--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--compile.autoparallel_memory_budget", "70GiB",
+             "--activation_checkpoint.mode", "full")
     compute = {n: p["params"][f"layers.*.{n}.weight"]["compute"] for n in LINEARS}
     # nn.Linear weights are [out, in]: column-parallel shards dim 0, row-parallel dim 1; wk/wv too (GQA)
     assert compute["feed_forward.w1"] == compute["feed_forward.w3"] == ["S0"]
@@ -79,7 +87,7 @@ def test_tp_mesh_gives_column_then_row_parallel():
 @pytest.mark.slow
 def test_2d_mesh_shards_on_both_dims():
     p = plan("--model.flavor", "8B", "--training.seq_len", "8192", "--training.batch_size", "4",
-             "--parallelism.dp_shard", "4", "--parallelism.tp", "2")
+             "--parallelism.dp_shard", "4", "--parallelism.tp", "2", "--activation_checkpoint.mode", "full")
     assert p["batch_spec"] == ["S0", "R"]
     for name in LINEARS:
         entry = p["params"][f"layers.*.{name}.weight"]
@@ -92,9 +100,13 @@ def test_2d_mesh_shards_on_both_dims():
 
 def test_memory_budget_forces_sharding():
     loose = plan("--parallelism.dp_shard", "2")
-    tight = plan("--parallelism.dp_shard", "2", "--compile.autoparallel_memory_budget", "0.05GiB")
+    # room for the activations (counted too) and a quarter of the replicated states less (sharding all
+    # of them halves them)
+    memory = loose["predicted"]["memory_bytes"]
+    budget = math.ceil((memory["activations"] + memory["gathered_params"] + memory["states"] * 3 / 4) / 1024**2) * 1024**2
+    tight = plan("--parallelism.dp_shard", "2", "--compile.autoparallel_memory_budget", f"{budget // 1024**2}MiB")
     sharded = lambda p: sum(e["count"] for e in p["params"].values() if e["storage"] != ["R"])  # noqa: E731
-    assert tight["predicted"]["memory_per_rank_bytes"] <= 0.05 * 1024**3
+    assert tight["predicted"]["memory_per_rank_bytes"] <= budget
     assert sharded(tight) > sharded(loose)
     assert loose["params"]["norm.weight"]["storage"] == ["R"]  # small parameters stay replicated when memory allows
 
@@ -105,12 +117,14 @@ def test_network_speed_decides_what_a_loose_budget_replicates(monkeypatch):
     linears pays (less optimizer work per rank for cheap collectives) while the norms stay replicated
     (a collective's latency outweighs their optimizer step); on a slow network everything in the
     blocks stays replicated."""
-    from graph_trainer.autoparallel import entry
-    from graph_trainer.hardware import Hardware
+    from graph_trainer import hardware
 
-    flags = ("--config", "configs/llama3_1b.toml", "--parallelism.dp_shard", "8", "--training.batch_size", "8")
+    # full AC: the activations of 4096 tokens per rank would not fit beside replicated states
+    flags = ("--config", "configs/llama3_1b.toml", "--parallelism.dp_shard", "8", "--training.batch_size", "8",
+             "--activation_checkpoint.mode", "full")
     fast = make_plan(parse_args(list(flags)))
-    monkeypatch.setattr(entry, "Hardware", lambda: Hardware(intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=2e9))
+    monkeypatch.setattr(hardware, "select", lambda choice, device: dataclasses.replace(
+        hardware.H100, intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=2e9))
     slow = make_plan(parse_args(list(flags)))
     for name in LINEARS:
         assert fast["params"][f"layers.*.{name}.weight"]["storage"][0].startswith("S"), name
@@ -121,7 +135,8 @@ def test_network_speed_decides_what_a_loose_budget_replicates(monkeypatch):
 
 
 def test_infeasible_budget_names_the_smallest():
-    with pytest.raises(ConfigError, match=r"need at least 0\.05 GiB.*autoparallel_memory_budget 0\.05GiB"):
+    # sharded states 0.05 GiB (they were all the plan counted) + the activations of 8 x 256 tokens per rank 0.15 GiB
+    with pytest.raises(ConfigError, match=r"need at least 0\.20 GiB.*autoparallel_memory_budget 0\.20GiB"):
         plan("--parallelism.dp_shard", "2", "--compile.autoparallel_memory_budget", "0.01GiB")
 
 

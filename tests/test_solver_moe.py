@@ -17,6 +17,10 @@ from graph_trainer.validate import validate
 from tests.helpers import launch, losses, run_train
 
 DEBUG = ("--config", "configs/deepseek_v3_debug.toml")
+FULL_AC = ("--activation_checkpoint.mode", "full")
+"""For 16B plans: the plan counts the activations the AC policy keeps, and on CPU MLA attention (q/k head dim
+192, v 128: no fused CPU kernel) is traced as bmm + softmax whose scores it keeps; with the config's every
+2nd block recomputed that is 69 GiB per rank, over the default budget (the GPU's fused kernel keeps no scores)."""
 EXPERT_WEIGHTS = ("layers.*.moe.experts.w1", "layers.*.moe.experts.w2", "layers.*.moe.experts.w3")
 
 
@@ -67,7 +71,8 @@ def test_debug_on_2_ranks_gathers_small_experts_unless_ep_is_pinned():
 
 @pytest.mark.slow
 def test_solver_chooses_expert_parallelism_for_16b_on_8_ranks():
-    p = plan("--config", "configs/deepseek_v3_16b.toml", "--model.attention", "sdpa", "--parallelism.dp_shard", "8", "--parallelism.ep", "1")
+    p = plan("--config", "configs/deepseek_v3_16b.toml", "--model.attention", "sdpa", "--parallelism.dp_shard", "8", "--parallelism.ep", "1",
+             *FULL_AC)
     moe = p["moe"]["layers.*.moe"]
     assert moe["alternatives"] == 4 and moe["expert_parallel"] == {"dim": "dp_shard", "degree": 8}, moe
     for w in EXPERT_WEIGHTS:  # stored as computed: no gather of 1 GiB of experts per layer
@@ -83,7 +88,8 @@ def test_solver_chooses_expert_parallelism_for_16b_on_8_ranks():
 def test_plan_16b_on_8_fake_ranks_is_fast(tmp_path):
     """The issue's command: the config pins ep 8, i.e. EP over dp_shard; the flavor's FlexAttention with
     document masks gets its declared batch-parallel strategy (no op falls back to replicated)."""
-    proc = launch(["plan", "--job.dump_folder", str(tmp_path), "--config", "configs/deepseek_v3_16b.toml", "--parallelism.dp_shard", "8"])
+    proc = launch(["plan", "--job.dump_folder", str(tmp_path), "--config", "configs/deepseek_v3_16b.toml", "--parallelism.dp_shard", "8",
+                   *FULL_AC])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layers.*.moe" in proc.stdout and "expert parallel over dp_shard, ep=8" in proc.stdout
     p = json.loads((tmp_path / "plan.json").read_text())
@@ -131,3 +137,26 @@ def test_auto_placed_deepseek_trains_like_manual(tmp_path, ep):
     summary = json.loads((tmp_path / "auto" / "graphs" / "summary.json").read_text())
     a2a = summary["stages"][0]["collectives"].get("all_to_all", {"count": 0})["count"]
     assert a2a == (25 if ep == "2" else 0)  # 5 MoE layers x (3 forward + 2 backward) under EP
+
+
+def test_dispatch_kernel_count_is_the_traced_one():
+    """moe.DISPATCH_KERNELS prices each non-GEMM kernel of the routed experts at the per-kernel floor:
+    it must be what the dispatch (forward and backward) runs, counted on its traced graph."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graph_trainer.autoparallel.moe import DISPATCH_GEMMS, DISPATCH_KERNELS
+    from graph_trainer.parallel.moe_dispatch import DispatchPlan, dispatch_and_combine
+
+    def step(x, scores, ids, w1, w2, w3):
+        out = dispatch_and_combine(DispatchPlan(4, 2, None, 0.0, False), x, scores, ids, w1, w2, w3).output
+        return torch.autograd.grad(out.sum(), (x, scores, w1, w2, w3))
+
+    weights = [torch.randn(4, 12, 8, requires_grad=True), torch.randn(4, 8, 12, requires_grad=True),
+               torch.randn(4, 12, 8, requires_grad=True)]
+    x, scores = torch.randn(16, 8, requires_grad=True), torch.rand(16, 2, requires_grad=True)
+    gm = make_fx(step)(x, scores, torch.randint(0, 4, (16, 2)), *weights)
+    kernels = [n.target for n in gm.graph.nodes
+               if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and not n.target.is_view]
+    # the harness adds two: `out.sum()` and the ones its gradient starts from
+    assert len(kernels) - 2 == DISPATCH_KERNELS
+    assert sum(1 for k in kernels if "grouped_mm" in str(k)) == DISPATCH_GEMMS

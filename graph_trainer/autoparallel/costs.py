@@ -22,8 +22,8 @@ was redistributed in forward, DTensor leaves a Partial gradient as it is, and vi
 on: their strategies have variants that take it (Strategy.grad_outs), so the reduction is priced once
 where the value was redistributed (Megatron's one reduce-scatter for q, k and v), not after each
 reader. Backward compute is 2x the forward for matmul-like ops (two matmuls per forward one) and 1x
-for the rest; every kernel also costs the hardware's launch time (forward and backward kernels), which
-is what small models are bound by.
+for the rest; every kernel (forward and backward) costs at least the hardware's per-kernel floor
+(`Hardware.launch_s`), which is what small models and the MoE dispatch's many small ops are bound by.
 """
 
 from __future__ import annotations
@@ -130,8 +130,9 @@ def compute_time(flops: float, in_bytes: Sequence[float], out_bytes: Sequence[fl
     moved += sum(b / shard_factor(s, sizes) for b, s in zip(out_bytes, strategy.outs))
     t = roofline_s(flops / split, moved, dtype, hw)
     if needs_grad:
-        return t * (3.0 if flops else 2.0) + hw.launch_s * (3 if flops else 2)
-    return t + hw.launch_s
+        # forward and backward kernels of the same size: one and two with FLOPs, one and one without
+        return max(t, hw.launch_s) * (3 if flops else 2)
+    return max(t, hw.launch_s)
 
 
 def state_bytes_per_element(storage_itemsize: int) -> int:

@@ -14,9 +14,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import ConfigError, JobConfig
 from ..parallel.simple_fsdp import MixedPrecision
-from . import report
-from ..hardware import Hardware
+from ..hardware import Hardware, select
 from ..units import GiB
+from . import report
+from .memory import ActivationPolicy
 from .planner import MeshInfo, Settings, plan_model
 
 PLAN_VERSION = 1
@@ -24,18 +25,21 @@ EP_DIM = "dp_shard"
 """`--parallelism.ep N` with the solver pins expert parallelism to this mesh dim (N must be its size)."""
 
 
-def device_memory_bytes() -> float:
-    if torch.cuda.is_available():
-        return float(torch.cuda.get_device_properties(0).total_memory)
-    return Hardware().device_memory_bytes
+PLAN_MEMORY_SHARE = 0.85
+"""The built-in solver's default budget, of the device memory: its memory row counts parameters,
+gradients, optimizer state, the activations the AC policy keeps and the gathered parameters; the rest
+is for what it does not count (CUDA context, allocator fragmentation, transient buffers). Measured: the
+8B dp8 run whose memory policy budgeted 40 GiB of such counted memory peaked at 47.3 GiB active
+(bench/results/2026-11-23-scale.md), 1.18x, and 1 / 1.18 = 0.85."""
 
 
-def parse_memory_budget(text: str, device_memory: float, flag: str = "compile.autoparallel_memory_budget") -> float:
-    """'' -> half the device memory (the rest is for activations); '0.5' -> a fraction; '20GiB' / '512MiB'.
+def parse_memory_budget(text: str, device_memory: float, flag: str = "compile.autoparallel_memory_budget",
+                        default_share: float = 0.5) -> float:
+    """'' -> `default_share` of the device memory; '0.5' -> a fraction; '20GiB' / '512MiB'.
     `flag` names the setting in errors."""
     text = text.strip()
     if not text:
-        return 0.5 * device_memory
+        return default_share * device_memory
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB)?", text)
     if not m:
         raise ConfigError(f"{flag} {text!r} is not a fraction (0.5) or a size (20GiB, 512MiB)")
@@ -64,26 +68,32 @@ def model_identity(cfg: JobConfig, args: Any) -> dict[str, Any]:
 
 
 def solve(cfg: JobConfig, model: nn.Module, args: Any, info: MeshInfo, solver_mesh: DeviceMesh | None,
-          device: torch.device, param_dtype: torch.dtype) -> dict[str, Any]:
+          device: torch.device, param_dtype: torch.dtype, hw: Hardware) -> dict[str, Any]:
+    """Trace on `device` and solve, priced on `hw` (the job's devices, which `graph-trainer plan` does not have)."""
     t = cfg.training
     batch = (t.batch_size // t.gradient_accumulation_steps, t.seq_len)
-    plan = plan_model(model, batch, param_dtype, device, info, solver_mesh, solver_settings(cfg, model)).data
+    plan = plan_model(model, batch, param_dtype, device, info, solver_mesh, solver_settings(cfg, model, hw)).data
     plan["model"] = model_identity(cfg, args)
     plan["batch"] = {"global_microbatch": list(batch), "param_dtype": str(param_dtype).removeprefix("torch.")}
     return plan
 
 
-def solver_settings(cfg: JobConfig, model: nn.Module) -> Settings:
-    """What the built-in solver prices a plan of this job with (also for pricing another solver's plan)."""
+def solver_settings(cfg: JobConfig, model: nn.Module, hw: Hardware) -> Settings:
+    """What the built-in solver prices a plan of this job with (also for pricing another solver's plan):
+    `hw` is `hardware.select` of the job's device, and the memory row counts the activations the job's
+    activation checkpointing keeps."""
     t = cfg.training
+    ac = cfg.activation_checkpoint
     return Settings(
-        hw=Hardware(),
-        memory_budget=parse_memory_budget(cfg.compile.autoparallel_memory_budget, device_memory_bytes()),
+        hw=hw,
+        memory_budget=parse_memory_budget(cfg.compile.autoparallel_memory_budget, hw.device_memory_bytes,
+                                          default_share=PLAN_MEMORY_SHARE),
         reduce_dtype=MixedPrecision.from_config(t, "cuda").reduce_dtype,
         param_itemsize=next(model.parameters()).element_size(),
         microbatches=t.gradient_accumulation_steps,
         moe_capacity_factor=cfg.parallelism.moe_capacity_factor,
         expert_parallel_dim=EP_DIM if cfg.parallelism.ep > 1 else None,
+        activations=ActivationPolicy.of(ac.mode, ac.selective_ac_option),
     )
 
 
@@ -132,12 +142,17 @@ def place(model: nn.Module, spec: Any, args: Any, meshes: Any, mp: Any, cfg: Job
     info = mesh_info((degrees.dp_replicate, degrees.dp_shard, degrees.tp, degrees.ep))
     t = cfg.training
     batch = (t.batch_size // t.gradient_accumulation_steps, t.seq_len)
+    device = meshes.dense.device_type
+    device = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    hw = select(cfg.compile.hardware, device)
     if cfg.compile.autoparallel_impl == "meta":
         from .meta_adapter import place as meta_place
 
-        budget = parse_memory_budget(cfg.compile.autoparallel_memory_budget, device_memory_bytes())
+        # half: Meta's memory row counts parameters only, the rest is for activations
+        budget = parse_memory_budget(cfg.compile.autoparallel_memory_budget, hw.device_memory_bytes)
         # one GPU: a 1-D mesh of size 1 (on the 3-D one, Meta's program would weigh every layout on every dim)
-        return meta_place(model, batch, meshes.dense[info.solver_names or ("dp_shard",)], mp, budget)
+        return meta_place(model, batch, meshes.dense[info.solver_names or ("dp_shard",)], mp, budget,
+                          exported=cfg.compile.mode == "aot")
 
     from ..parallel.compat import is_fake_process_group, is_lead_process
     from .apply import apply_plan
@@ -147,15 +162,13 @@ def place(model: nn.Module, spec: Any, args: Any, meshes: Any, mp: Any, cfg: Job
 
     register_cpu_attention_strategies()
     prepare_model(model)
-    device = meshes.dense.device_type
-    device = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
     if cfg.compile.autoparallel_plan:
         plan = check_plan_file(cfg.compile.autoparallel_plan, cfg, (degrees.dp_replicate, degrees.dp_shard, degrees.tp))
     else:
         box: list[Any] = [None]
         if is_lead_process():
             solver_mesh = meshes.dense[info.solver_names] if info.solver_names else None
-            box[0] = solve(cfg, model, args, info, solver_mesh, device, mp.param_dtype)
+            box[0] = solve(cfg, model, args, info, solver_mesh, device, mp.param_dtype, hw)
             # beside metrics.jsonl, so that a run's predicted step can be held against its measured one
             report.write(box[0], cfg.job.dump_folder)
         if dist.is_initialized() and dist.get_world_size() > 1 and not is_fake_process_group():

@@ -138,10 +138,13 @@ def session(model: nn.Module, batch_shape: tuple[int, int], mesh: DeviceMesh, mp
             yield Session(autop, timings["trace_s"], entered_s - timings["trace_s"], get_named_param_nodes(autop.gm.graph))
 
 
-def place(model: nn.Module, batch_shape: tuple[int, int], mesh: DeviceMesh, mp: Any, memory_budget: float) -> nn.Module:
-    """Place a meta-device `model` on `mesh` with Meta's solver (see `session`)."""
+def place(model: nn.Module, batch_shape: tuple[int, int], mesh: DeviceMesh, mp: Any, memory_budget: float,
+          exported: bool = False) -> nn.Module:
+    """Place a meta-device `model` on `mesh` with Meta's solver (see `session`). `exported`: the
+    module will only run inside an AOTAutograd export of the step (`--compile.mode aot`)."""
     with session(model, batch_shape, mesh, mp, memory_budget) as s:
         placed = s.autop.apply_placement(s.autop.optimize_placement())
+        forward_graph = _forward_graph(s.autop) if exported else None
     sharded = [f"{fqn} {b.placements}" for fqn, b in placed.named_buffers()
                if isinstance(b, DTensor) and not all(p.is_replicate() for p in b.placements)]
     if sharded:
@@ -153,12 +156,63 @@ def place(model: nn.Module, batch_shape: tuple[int, int], mesh: DeviceMesh, mp: 
     # module's class is its own (made per placement), so only it reads its slots this way.
     cls = type(placed)
     cls.get_parameter = _parameter_in_slot
-    ranks = math.prod(n for n, name in zip(mesh.shape, mesh.mesh_dim_names) if name in DP_DIMS)
-    inner = cls.forward
+    if forward_graph is None:
+        ranks = math.prod(n for n, name in zip(mesh.shape, mesh.mesh_dim_names) if name in DP_DIMS)
+        inner = cls.forward
+    else:
+        # the derived backward is that of the sum of every rank's loss: tensor-parallel ranks
+        # repeat their data-parallel group's loss, so all ranks count in the mean
+        ranks, inner = math.prod(mesh.shape), forward_graph
     cls.forward = lambda module, *args, **kwargs: _MeanOverRanks.apply(inner(module, *args, **kwargs), 1.0 / ranks)
     cls.get_buffer = lambda module, target: DTensor.from_local(
         nn.Module.get_buffer(module, target), mesh, [Replicate()] * mesh.ndim, run_check=False)
     return placed
+
+
+def _forward_graph(autop: Any) -> Any:
+    """A forward for the placed module that an enclosing AOTAutograd export can trace: Meta's placed
+    forward calls its own compiled autograd function, whose ops reach the enclosing export's
+    functional tensors below its functionalization ("Attempting to use FunctionalTensor on its own",
+    torch 2.13). This one runs the forward half of Meta's placed joint graph (the local ops and
+    functional collectives it chose) op by op, and the export derives the backward (each functional
+    collective has its autograd formula: an all-gather's gradient is reduce-scattered). That backward
+    is the derivative of the sum of the ranks' losses with each rank's copy of a replicated parameter
+    as its own input: `_summed_grad` adds the copies' gradients."""
+    from autoparallel.graph_passes.extract_forward import extract_forward_graph
+
+    joint = autop.joint_with_descriptors
+    metadata = joint._aot_state.fw_metadata
+    gm = extract_forward_graph(autop.parallel_gm, metadata.num_forward_returns, len(metadata.input_info))
+    params, buffers, out_spec = list(joint.params_spec), list(joint.buffers_spec), joint.out_spec
+
+    def forward(module: nn.Module, *args: Any) -> Any:
+        flat = [_summed_grad(module.get_parameter(f)) for f in params] + [module.get_buffer(f).to_local() for f in buffers]
+        outs = torch.fx.Interpreter(gm).run(*flat, *torch.utils._pytree.tree_leaves(args))
+        return torch.utils._pytree.tree_unflatten(list(outs), out_spec)
+
+    return forward
+
+
+def _summed_grad(param: DTensor) -> torch.Tensor:
+    """The local tensor of `param`, whose gradient is summed over the mesh dims it is replicated on."""
+    dims = [d for d, p in enumerate(param.placements) if p.is_replicate()]
+    local = param.to_local()
+    return _SumOverDims.apply(local, param.device_mesh, tuple(dims)) if dims else local
+
+
+class _SumOverDims(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, mesh: DeviceMesh, dims: tuple[int, ...]) -> torch.Tensor:
+        ctx.mesh, ctx.dims = mesh, dims
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        from torch.distributed._functional_collectives import all_reduce
+
+        for d in ctx.dims:
+            grad = all_reduce(grad.contiguous(), "sum", (ctx.mesh, d))
+        return grad, None, None
 
 
 class _MeanOverRanks(torch.autograd.Function):

@@ -27,7 +27,8 @@ MoE module traces to, for the solver:
 
 Costs: compute is the roofline of the three expert GEMMs over the routed rows (6 T K D H FLOPs for
 T tokens, top-k K, dim D, expert hidden H) split over the dims that split the work, plus the bytes of
-the local expert weights and routed rows; x3 for forward + backward. An EP dim of n ranks sends per
+the local expert weights and routed rows; x3 for forward + backward; plus the per-kernel floor of
+each of the dispatch's other kernels (`DISPATCH_KERNELS`). An EP dim of n ranks sends per
 rank a buffer of n * C rows of D (C = the capacity of `moe_dispatch`, from
 `--parallelism.moe_capacity_factor`; all pairs when 0): forward an all-to-all for the tokens, a small
 one for the per-expert counts and one for the outputs; backward the two large ones again. The
@@ -73,6 +74,13 @@ _SPECS = {  # per mesh dim: (tokens, scores, expert ids, w1, w2, w3) -> output
     "hidden": (("R", "R", "R", "S1", "S2", "S1"), "P"),
 }
 _COUNT_BYTES = 8  # the per-expert counts travel as int64
+DISPATCH_KERNELS = 81
+"""Kernels of one routed-experts op, forward and backward, on one rank: the non-view aten ops of
+`dispatch_and_combine` and its gradient (tests/test_solver_moe.py traces and counts them). Routing
+bookkeeping (sorts, scans, scatters, gathers over token x top-k pairs) is most of them: each costs
+the per-kernel floor, not its bytes."""
+DISPATCH_GEMMS = 9
+"""Of those, the grouped GEMMs (three forward, six backward), priced by the roofline."""
 
 
 @torch.library.custom_op("graph_trainer::routed_experts", mutates_args=())
@@ -167,7 +175,8 @@ def strategy_cost(node: fx.Node, strategy: Strategy, sizes: Sequence[int], comm:
     flops = 6.0 * local_pairs * dim * hidden / hidden_split
     weight_bytes = sum(w.numel() for w in (w1, w2, w3)) * w1.element_size() / weight_split
     row_bytes = local_pairs * (2 * dim + 3 * hidden / hidden_split) * itemsize
-    compute = 3.0 * roofline_s(flops, weight_bytes + row_bytes, tokens.dtype, hw)
+    gemms = 3.0 * roofline_s(flops, weight_bytes + row_bytes, tokens.dtype, hw)
+    compute = max(gemms, DISPATCH_GEMMS * hw.launch_s) + (DISPATCH_KERNELS - DISPATCH_GEMMS) * hw.launch_s
     saved = row_bytes
     collectives = []
     for m, c in enumerate(choices):

@@ -74,7 +74,8 @@ def compare(cfg: JobConfig) -> dict[str, Any]:
     from ..parallel.simple_fsdp import MixedPrecision
     from ..plan import make_plan
     from . import meta_adapter
-    from .entry import device_memory_bytes, mesh_info, parse_memory_budget, solver_settings
+    from ..hardware import select
+    from .entry import mesh_info, parse_memory_budget, solver_settings
     from .planner import price_placement
 
     spec = models.get_spec(cfg.model.name)
@@ -91,7 +92,8 @@ def compare(cfg: JobConfig) -> dict[str, Any]:
     batch = (t.batch_size // t.gradient_accumulation_steps, t.seq_len)
     mp = MixedPrecision.from_config(t, "cuda")
     param_dtype = mp.param_dtype
-    budget = parse_memory_budget(cfg.compile.autoparallel_memory_budget, device_memory_bytes())
+    hw = select(cfg.compile.hardware, torch.device("cuda"))
+    budget = parse_memory_budget(cfg.compile.autoparallel_memory_budget, hw.device_memory_bytes)
 
     with meta_adapter.session(models.build_on_meta(spec, args, "cpu"), batch, mesh, mp, budget) as s:
         t0 = time.perf_counter()
@@ -108,7 +110,7 @@ def compare(cfg: JobConfig) -> dict[str, Any]:
     storage, differing = per_pattern(meta_specs, list(ours["params"]))
     model = models.build_on_meta(spec, args, "cpu")
     # a price, not a plan to run: Meta's plan answers to its own memory row, so ours does not bind it
-    settings = dataclasses.replace(solver_settings(cfg, model), memory_budget=math.inf)
+    settings = dataclasses.replace(solver_settings(cfg, model, hw), memory_budget=math.inf)
     ours_on_meta = price_placement(model, batch, param_dtype, torch.device("cpu"), info, mesh, settings, storage).data
     prog = ours["program"]
     mesh_desc = dict(zip(info.solver_names, info.sizes))

@@ -110,22 +110,24 @@ def solve(nodes: list[ProgramNode], edges: list[ProgramEdge], memory_budget: flo
         x.append([b.add_col(c, 0.0 if banned[i][s] else 1.0) for s, c in enumerate(costs)])
         b.rows.append((x[i], [1.0] * len(costs), 1.0, 1.0))
 
-    def group_row(node: int, groups: list[int], g: int) -> tuple[list[int], list[float]]:
-        cols = [x[node][s] for s, gs in enumerate(groups) if gs == g]
-        return cols, [-1.0] * len(cols)
+    def by_group(node: int, groups: list[int], n: int) -> list[list[int]]:
+        """The node's columns of each group, in strategy order (one pass: edges have thousands of strategies)."""
+        cols: list[list[int]] = [[] for _ in range(n)]
+        for s, g in enumerate(groups):
+            cols[g].append(x[node][s])
+        return cols
 
     for ei, pairs in pairs_of.items():
         e = edges[ei]
         y = {p: b.add_col(e.cost[p[0]][p[1]], 1.0) for p in pairs}
         n_o, n_k = max(e.src_group) + 1, max(e.dst_group) + 1
-        for o in range(n_o):
-            cols, vals = group_row(e.src, e.src_group, o)
-            ys = [y[p] for p in pairs if p[0] == o]
-            b.rows.append((ys + cols, [1.0] * len(ys) + vals, 0.0, 0.0))
-        for k in range(n_k):
-            cols, vals = group_row(e.dst, e.dst_group, k)
-            ys = [y[p] for p in pairs if p[1] == k]
-            b.rows.append((ys + cols, [1.0] * len(ys) + vals, 0.0, 0.0))
+        ys_src: list[list[int]] = [[] for _ in range(n_o)]
+        ys_dst: list[list[int]] = [[] for _ in range(n_k)]
+        for p in pairs:
+            ys_src[p[0]].append(y[p])
+            ys_dst[p[1]].append(y[p])
+        for ys, cols in zip(ys_src + ys_dst, by_group(e.src, e.src_group, n_o) + by_group(e.dst, e.dst_group, n_k)):
+            b.rows.append((ys + cols, [1.0] * len(ys) + [-1.0] * len(cols), 0.0, 0.0))
 
     fixed_memory = 0.0
     if memory_budget is not None:

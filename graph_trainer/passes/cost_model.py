@@ -8,7 +8,7 @@ prediction file, on the numbers of `graph_trainer.hardware` (the solver prices w
 - Compute: a roofline per aten node, `max(FLOPs / achieved FLOP/s, bytes moved / achieved memory
   bandwidth)`; views cost nothing. With `fused=True` (the graph will be compiled whole by Inductor)
   pointwise and reduction ops are charged only for writing their output, since their inputs stay in
-  registers inside fused kernels. Every kernel costs at least the hardware's launch time.
+  registers inside fused kernels. Every kernel costs at least the hardware's per-kernel floor (`launch_s`).
 - A timeline of one step: compute runs in graph order, collectives run one after another on one
   communication stream from the point they are issued; a wait stalls compute until its collective
   is done. The schedulers compare plans by the simulated step time.
@@ -122,14 +122,14 @@ class CostModel:
         # dtype casts (_to_copy) are pointwise too, though not tagged so
         fusible = torch.Tag.pointwise in target.tags or torch.Tag.reduction in target.tags or target is _CAST
         if self.fused and fusible:
-            moved, launch = nbytes(out), 0.0
+            moved, floor = nbytes(out), 0.0
         else:
             moved = nbytes(out) + sum(nbytes(a.meta.get("val")) for a in node.all_input_nodes)
-            launch = self.hw.launch_s
+            floor = self.hw.launch_s
         # the first tensor result's dtype (attention returns a tuple: output, logsumexp, ...)
         tensors = [v for v in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(v, torch.Tensor)]
         dtype = tensors[0].dtype if tensors else torch.float32
-        return max(flops / self.hw.flops(dtype), moved / self.hw.mem_bw) + launch
+        return max(flops / self.hw.flops(dtype), moved / self.hw.mem_bw, floor)
 
 
 @dataclass(frozen=True)

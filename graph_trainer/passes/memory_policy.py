@@ -48,6 +48,7 @@ import torch
 from torch import fx
 
 from ..graph_dump import nbytes
+from ..hardware import select
 from ..parallel import BLOCK_KEY, OP_SAC_SAVE_LIST
 from ..units import GiB
 from .collectives import forward_end
@@ -452,9 +453,10 @@ def persistent_bytes(gm: fx.GraphModule, ctx: PassContext) -> int:
 
 def step_budget(ctx: PassContext) -> float:
     """`--activation_checkpoint.memory_budget` in bytes: the most the step may hold at once."""
-    from ..autoparallel.entry import device_memory_bytes, parse_memory_budget
+    from ..autoparallel.entry import parse_memory_budget
 
-    return parse_memory_budget(ctx.cfg.activation_checkpoint.memory_budget, device_memory_bytes(), flag=BUDGET_FLAG)
+    memory = select(ctx.cfg.compile.hardware, ctx.device).device_memory_bytes
+    return parse_memory_budget(ctx.cfg.activation_checkpoint.memory_budget, memory, flag=BUDGET_FLAG)
 
 
 def activation_budget(ctx: PassContext) -> float:
