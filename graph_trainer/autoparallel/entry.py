@@ -30,7 +30,7 @@ PLAN_MEMORY_SHARE = 0.85
 gradients, optimizer state, the activations the AC policy keeps and the gathered parameters; the rest
 is for what it does not count (CUDA context, allocator fragmentation, transient buffers). Measured: the
 8B dp8 run whose memory policy budgeted 40 GiB of such counted memory peaked at 47.3 GiB active
-(bench/results/2026-11-23-scale.md), 1.18x, and 1 / 1.18 = 0.85."""
+(bench/results/2026-11-24-scale.md, 8B dp8 of 2026-11-23), 1.18x, and 1 / 1.18 = 0.85."""
 
 
 def parse_memory_budget(text: str, device_memory: float, flag: str = "compile.autoparallel_memory_budget",
