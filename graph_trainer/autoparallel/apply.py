@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.nn import functional as F
 from torch.nn.attention import sdpa_kernel
 
@@ -53,6 +53,28 @@ class _GradScale(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return grad * ctx.scale, None
+
+
+class _AvgAsSum(torch.autograd.Function):
+    """A Partial("avg") DTensor as the Partial sum of its shards divided by their count, on the mesh
+    dims given; identity on the value. Redistributing it away from Partial("avg") directly would make
+    DTensor send the gradient back to Partial("avg"), which it cannot do from a Partial sum: the
+    gradient a broadcast operand of a sharded op receives (the RMS of a norm whose hidden dimension is
+    sharded, read by `x * rsqrt(mean(x^2))`). The solver prices that gradient reduced to the value's
+    producer layout (costs.backward_target), so backward reduces it to Replicate here."""
+
+    @staticmethod
+    def forward(ctx, t: DTensor, dims: tuple[int, ...]) -> DTensor:  # type: ignore[override]
+        ctx.dims = dims
+        mesh = t.device_mesh
+        placements = tuple(Partial() if i in dims else p for i, p in enumerate(t.placements))
+        local = t.to_local() / math.prod(mesh.size(i) for i in dims)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> tuple[DTensor, None]:  # type: ignore[override]
+        reduced = tuple(Replicate() if i in ctx.dims and p.is_partial() else p for i, p in enumerate(grad.placements))
+        return (grad if reduced == tuple(grad.placements) else grad.redistribute(grad.device_mesh, reduced)), None
 
 
 class UnitRunner:
@@ -192,6 +214,10 @@ class UnitRunner:
     def _to(self, t: DTensor, placements: tuple) -> DTensor:
         if tuple(t.placements) == tuple(placements):
             return t
+        averaged = tuple(i for i, (p, q) in enumerate(zip(t.placements, placements))
+                         if p.is_partial() and getattr(p, "reduce_op", None) == "avg" and not q.is_partial())
+        if averaged:
+            t = _AvgAsSum.apply(t, averaged)
         return t.redistribute(self.mesh, placements)
 
     # Dynamo (jit) breaks its graph at the kernel switch and cannot rebuild the local views of the
