@@ -10,6 +10,7 @@ the front end, so its launcher below lifts that refusal (the op below it is the 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -128,9 +129,11 @@ def test_auto_placed_flex_masks_each_batch_by_its_own_documents(tmp_path):
     script.write_text(_TWO_BATCHES)
     proc = launch([str(tmp_path / "out"), *FLEX], nproc=2, script=str(script))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    # the two ranks' prints may share a line of the launcher's output
+    number = r"([-+0-9.e]+)"
+    lines = re.findall(rf"rank (\d) batch (\w) placed {number} eager {number} eager_with_a_mask {number}", proc.stdout)
     assert len(lines) == 4, proc.stdout[-3000:]
-    for _, rank, _, name, _, placed, _, own, _, stale in lines:
+    for rank, name, placed, own, stale in lines:
         placed, own, stale = float(placed), float(own), float(stale)
         # the same dense FlexAttention and matmuls on the same rows: equal bit for bit
         assert placed == own, (rank, name, placed, own)
@@ -142,7 +145,8 @@ def test_auto_placed_flex_masks_each_batch_by_its_own_documents(tmp_path):
 @pytest.mark.slow
 def test_fake_comm_run_places_deepseek_flex_on_four_ranks(tmp_path):
     """DeepSeek V3's flex flavor (MLA: queries and values of other head dims) auto-placed for rank 0 of
-    4 in one process: the mask's 8 block tensors and document index arrive split like the tokens."""
+    4 in one process, in one of the op's declared layouts: batch-split, the mask's 8 block tensors and
+    document index split like the tokens; or head-split, the mask whole (which one is the cost model's call)."""
     records = run_train(["--config", "configs/deepseek_v3_debug.toml", "--model.flavor", "debugmodel_flex_attn", "--model.n_layers", "2",
                          "--training.seq_len", "128", "--training.batch_size", "8", "--training.steps", "2", "--metrics.progress_bar", "false",
                          "--comm.mode", "fake", "--comm.fake_world_size", "4", "--parallelism.dp_shard", "4",
@@ -150,4 +154,5 @@ def test_fake_comm_run_places_deepseek_flex_on_four_ranks(tmp_path):
     assert [r["comm_mode"] for r in records] == ["fake", "fake"]
     plan = json.loads((tmp_path / "plan.json").read_text())
     attention = [n for u in plan["units"] for n in u["nodes"] if n["op"] == "flex_attention"]
-    assert len(attention) == 2 and all(n["ins"] == [["S0"]] * 12 for n in attention), attention
+    declared = ([["S0"]] * 12, [["S1"]] * 3 + [["R"]] * 9)
+    assert len(attention) == 2 and all(n["ins"] in declared for n in attention), attention

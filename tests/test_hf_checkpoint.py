@@ -102,6 +102,19 @@ def test_round_trip_gives_identical_parameters_and_next_loss(saved, tmp_path, na
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["jit", "aot"])
+def test_round_trip_in_the_compiled_modes(saved, tmp_path, mode):
+    """eager is above and aot_fx_trace with the auto-placed model below: the weights are loaded before the
+    step is captured, and the captured step must start from them in every mode."""
+    source = saved("llama3")
+    flags = ["--compile.mode", mode]
+    from_hf = load_and_step(tmp_path / "hf", "llama3", source / "checkpoint" / "step-2-hf", True, 1, flags)
+    from_dcp = load_and_step(tmp_path / "dcp", "llama3", source / "checkpoint" / "step-2", False, 1, flags)
+    assert_same_parameters("llama3", tmp_path / "hf", source)
+    assert losses(from_hf) == losses(from_dcp)
+
+
+@pytest.mark.slow
 def test_export_writes_the_same_tensors_as_last_save_in_hf(saved, tmp_path):
     from safetensors.torch import load_file
 
