@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import models
 from .config import ConfigError, JobConfig
+from .units import parse_memory_budget
 
 
 def world_size_from_env() -> int:
@@ -137,7 +138,6 @@ def check_compile(cfg: JobConfig, device_type: str) -> None:
 
 
 def check_activation_checkpoint(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
-    from .autoparallel.entry import parse_memory_budget
     from .passes.memory_policy import BUDGET_FLAG
     from .passes.registry import PASSES
 
@@ -270,7 +270,7 @@ def check_autoparallel(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> No
                               "add --model.attention sdpa, or use --compile.autoparallel_impl builtin")
         if c.autoparallel_plan:
             raise ConfigError("compile.autoparallel_plan holds a plan of the built-in solver; drop it or use --compile.autoparallel_impl builtin")
-    from .autoparallel.entry import EP_DIM, check_plan_file, parse_memory_budget
+    from .autoparallel.entry import EP_DIM, check_plan_file
 
     ep, dp_shard = degrees[3], degrees[1]
     if ep > 1 and ep != dp_shard:

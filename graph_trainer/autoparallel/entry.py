@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..config import ConfigError, JobConfig
 from ..parallel.simple_fsdp import MixedPrecision
 from ..hardware import Hardware, select
-from ..units import GiB
+from ..units import parse_memory_budget
 from . import report
 from .memory import ActivationPolicy
 from .planner import MeshInfo, Settings, plan_model
@@ -31,24 +30,6 @@ gradients, optimizer state, the activations the AC policy keeps and the gathered
 is for what it does not count (CUDA context, allocator fragmentation, transient buffers). Measured: the
 8B dp8 run whose memory policy budgeted 40 GiB of such counted memory peaked at 47.3 GiB active
 (bench/results/2026-11-24-scale.md, 8B dp8 of 2026-11-23), 1.18x, and 1 / 1.18 = 0.85."""
-
-
-def parse_memory_budget(text: str, device_memory: float, flag: str = "compile.autoparallel_memory_budget",
-                        default_share: float = 0.5) -> float:
-    """'' -> `default_share` of the device memory; '0.5' -> a fraction; '20GiB' / '512MiB'.
-    `flag` names the setting in errors."""
-    text = text.strip()
-    if not text:
-        return default_share * device_memory
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB)?", text)
-    if not m:
-        raise ConfigError(f"{flag} {text!r} is not a fraction (0.5) or a size (20GiB, 512MiB)")
-    value, unit = float(m.group(1)), m.group(2)
-    if unit is None:
-        if not 0 < value <= 1:
-            raise ConfigError(f"{flag} {text!r}: a fraction of device memory must be in (0, 1]; use e.g. 0.5 or 20GiB")
-        return value * device_memory
-    return value * {"GiB": GiB, "GB": 1e9, "MiB": 1024**2, "MB": 1e6}[unit]
 
 
 def mesh_info(degrees: Any) -> MeshInfo:

@@ -75,7 +75,8 @@ def compare(cfg: JobConfig) -> dict[str, Any]:
     from ..plan import make_plan
     from . import meta_adapter
     from ..hardware import select
-    from .entry import mesh_info, parse_memory_budget, solver_settings
+    from ..units import parse_memory_budget
+    from .entry import mesh_info, solver_settings
     from .planner import price_placement
 
     spec = models.get_spec(cfg.model.name)

@@ -50,7 +50,7 @@ from torch import fx
 from ..graph_dump import nbytes
 from ..hardware import select
 from ..parallel import BLOCK_KEY, OP_SAC_SAVE_LIST
-from ..units import GiB
+from ..units import GiB, parse_memory_budget
 from .collectives import forward_end
 from .cost_model import CostModel
 from .liveness import Profile, Simulator, Step, alias_of, simulate
@@ -453,8 +453,6 @@ def persistent_bytes(gm: fx.GraphModule, ctx: PassContext) -> int:
 
 def step_budget(ctx: PassContext) -> float:
     """`--activation_checkpoint.memory_budget` in bytes: the most the step may hold at once."""
-    from ..autoparallel.entry import parse_memory_budget
-
     memory = select(ctx.cfg.compile.hardware, ctx.device).device_memory_bytes
     return parse_memory_budget(ctx.cfg.activation_checkpoint.memory_budget, memory, flag=BUDGET_FLAG)
 
