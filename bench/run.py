@@ -164,17 +164,41 @@ def suite_h200x2(steps: int) -> list[Run]:
     ]
 
 
-# (group, ranks, graph-trainer flags, torchtitan flags, steps as a multiple of --steps / 12): the issue's four configs.
+@dataclass
+class ScaleConfig:
+    group: str
+    ranks: int
+    model: str
+    flavor: str
+    local_batch: int
+    seq: int
+    gt_mesh: list[str]
+    titan_mesh: list[str]
+    ac: str
+    step_scale: float
+    """Steps as a multiple of --steps / 12."""
+    layers: int = 0
+    """Cut the flavor to this many layers (0: all), torchtitan's too (bench.titan_spec's `<flavor>-<layers>L`):
+    the per-layer work of a deep model, profiled in a fraction of the call."""
+    profile_all: bool = False
+    """Profile every graph-trainer run (else only the best configuration)."""
+
+
+# the issue's four configs, and 70B cut to 8 layers to profile where its step goes
 SCALE_CONFIGS = [
-    ("8B dp8", 8, "llama3", "8B", 1, 8192, ["--parallelism.dp_shard", "8"], ["--parallelism.data_parallel_shard_degree", "8"], "selective", 1.0),
-    ("8B dp4 tp2", 8, "llama3", "8B", 1, 8192, ["--parallelism.dp_shard", "4", "--parallelism.tp", "2"],
-     ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2"], "selective", 1.0),
-    ("70B dp32", 32, "llama3", "70B", 1, 8192, ["--parallelism.dp_shard", "32"], ["--parallelism.data_parallel_shard_degree", "32"], "full", 0.5),
+    ScaleConfig("8B dp8", 8, "llama3", "8B", 1, 8192, ["--parallelism.dp_shard", "8"],
+                ["--parallelism.data_parallel_shard_degree", "8"], "selective", 1.0),
+    ScaleConfig("8B dp4 tp2", 8, "llama3", "8B", 1, 8192, ["--parallelism.dp_shard", "4", "--parallelism.tp", "2"],
+                ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2"], "selective", 1.0),
+    ScaleConfig("70B dp32", 32, "llama3", "70B", 1, 8192, ["--parallelism.dp_shard", "32"],
+                ["--parallelism.data_parallel_shard_degree", "32"], "full", 0.5),
+    ScaleConfig("70B dp32 8 layers", 32, "llama3", "70B", 1, 8192, ["--parallelism.dp_shard", "32"],
+                ["--parallelism.data_parallel_shard_degree", "32"], "full", 1.0, layers=8, profile_all=True),
     # capacity factor 2 as configs/deepseek_v3_16b.toml: at 0 (never drop) every dispatch buffer is sized for
     # all tokens and rank 0 needs 140.6 GiB (measured: the one-line refusal); drops are counted per step
-    ("DeepSeek 16B dp8 ep8", 8, "deepseek_v3", "16B", 4, 4096, ["--parallelism.dp_shard", "8", "--parallelism.ep", "8",
-                                                               "--parallelism.moe_capacity_factor", "2.0"],
-     ["--parallelism.data_parallel_shard_degree", "8", "--parallelism.expert_parallel_degree", "8"], "none", 1.0),
+    ScaleConfig("DeepSeek 16B dp8 ep8", 8, "deepseek_v3", "16B", 4, 4096, ["--parallelism.dp_shard", "8", "--parallelism.ep", "8",
+                                                                        "--parallelism.moe_capacity_factor", "2.0"],
+                ["--parallelism.data_parallel_shard_degree", "8", "--parallelism.expert_parallel_degree", "8"], "none", 1.0),
 ]
 
 
@@ -182,19 +206,22 @@ def suite_scale(steps: int) -> list[Run]:
     """One rank of an N-rank job on one GPU: torchtitan under `--comm.mode fake_backend` (NGPU=N, rank 0, no
     torchrun) beside graph-trainer under `--comm.mode fake`. Each group fits one 10-minute device call."""
     runs = []
-    for group, ranks, model, flavor, local_batch, seq, gt_mesh, titan_mesh, ac, step_scale in SCALE_CONFIGS:
-        n = max(WARMUP_STEPS + 2, round(steps * step_scale * 8 / 12))
+    for c in SCALE_CONFIGS:
+        group, ranks, model, flavor, local_batch, seq, gt_mesh, ac = c.group, c.ranks, c.model, c.flavor, c.local_batch, c.seq, c.gt_mesh, c.ac
+        n = max(WARMUP_STEPS + 2, round(steps * c.step_scale * 8 / 12))
         dp = ranks // 2 if "--parallelism.tp" in gt_mesh else ranks
         ac_flags = ["--activation_checkpoint.mode", ac] + (["--activation_checkpoint.selective_ac_option", "2"] if ac == "selective" else [])
         base = ["--model.name", model, "--model.flavor", flavor, "--training.seq_len", str(seq), "--training.batch_size",
                 str(dp * local_batch), "--training.steps", str(n), "--training.random_tokens", "--training.no-deterministic",
-                "--metrics.log_freq", "1", "--comm.mode", "fake", "--comm.fake_world_size", str(ranks), *gt_mesh, *ac_flags]
+                "--metrics.log_freq", "1", "--comm.mode", "fake", "--comm.fake_world_size", str(ranks), *gt_mesh, *ac_flags,
+                *(["--model.n_layers", str(c.layers)] if c.layers else [])]
         titan_model = "gt_deepseek_v3" if model == "deepseek_v3" else "gt_llama3"
-        titan = ["--comm.mode", "fake_backend", *titan_mesh, *ac_flags]
+        titan = ["--comm.mode", "fake_backend", *c.titan_mesh, *ac_flags]
         fake_env = {"NGPU": str(ranks), "LOCAL_RANK": "0", "RANK": "0"}
 
         def titan_run(name: str, extra: list[str], titan_model: str = titan_model) -> Run:
-            run = _titan(name, group, flavor, local_batch, seq, n, 1, titan + extra, model=titan_model)
+            titan_flavor = f"{flavor}-{c.layers}L" if c.layers else flavor
+            run = _titan(name, group, titan_flavor, local_batch, seq, n, 1, titan + extra, model=titan_model)
             return Run(run.name, run.trainer, 1, run.args, group=group, env=fake_env, torchrun=False)
 
         trace = ["--compile.mode", "aot_fx_trace"]
@@ -208,7 +235,7 @@ def suite_scale(steps: int) -> list[Run]:
         for name, extra in (("gt eager", ["--compile.mode", "eager"]), ("gt aot_fx_trace full", full),
                             ("gt aot_fx_trace autoparallel_backend", trace + ["--compile.inductor_compilation", "autoparallel_backend"]),
                             ("gt aot_fx_trace full auto-placed", full + ["--compile.autoparallel"])):
-            runs.append(Run(name, "gt", 1, base + extra, group=group, torchrun=False))
+            runs.append(Run(name, "gt", 1, base + extra, group=group, torchrun=False, profile=c.profile_all))
         # our best configuration on every config, profiled (the report's top kernels say where its time goes)
         # (the fused loss needs the whole vocabulary on the rank: not under TP)
         if "--parallelism.tp" in gt_mesh:

@@ -43,7 +43,10 @@ def _build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite=Tr
 
 
 def _same_model_and_tokens(spec):
-    return dataclasses.replace(spec, model_args=models.get_spec("llama3").flavors, build_dataloader_fn=_build_dataloader)
+    flavors = models.get_spec("llama3").flavors
+    # 70B cut to 8 layers, as graph-trainer's `--model.flavor 70B --model.n_layers 8` (bench/run.py's ScaleConfig.layers)
+    cut = {"70B-8L": dataclasses.replace(flavors["70B"], n_layers=8)}
+    return dataclasses.replace(spec, model_args={**flavors, **cut}, build_dataloader_fn=_build_dataloader)
 
 
 register_train_spec("gt_llama3", _same_model_and_tokens(get_train_spec()))

@@ -44,6 +44,7 @@ from .profiling import StepProfiler
 from .prediction import write_prediction
 from .parallel import apply_activation_checkpointing
 from .parallel.compat import init_fake_process_group
+from .parallel.fake_data import fill_collective_outputs, restore_collectives
 from .parallel.materialize import materialize
 from .parallel.mesh import Meshes, build_meshes, device_type, resolve_degrees
 from .parallel.simple_fsdp import MixedPrecision
@@ -124,6 +125,7 @@ class DistEnv:
 def init_distributed(env: DistEnv, device: torch.device, timeout_s: int, fake: bool = False) -> None:
     if fake:
         init_fake_process_group(env.world_size, env.rank)
+        fill_collective_outputs()
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
@@ -395,5 +397,6 @@ def run(cfg: JobConfig) -> list[dict]:
               f"--comm.timeout_seconds={cfg.comm.timeout_seconds}: see its log", _EXIT_COMM)
     finally:
         run_teardowns()
+        restore_collectives()
         if dist.is_initialized():
             dist.destroy_process_group()

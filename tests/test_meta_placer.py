@@ -138,3 +138,27 @@ def test_plan_against_another_solver_is_refused_in_one_line(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert lines == ["graph-trainer: error: --against 'alpa': the only solver to compare with is meta (Meta's AutoParallel): --against meta"]
+
+
+def test_grouped_query_attention_is_counted_with_kv_broadcast_where_torch_refuses_it(monkeypatch):
+    """torch 2.11 (the GPU machine) asserts equal head counts in its SDPA FLOP formulas; CUDA SDPA gets
+    llama3's 8 k/v heads beside 32 query heads, which stopped Meta's cost model there. Stand in torch
+    2.11's strict formulas and check that the adapter counts k and v broadcast to the query's heads."""
+    from torch.utils import flop_counter
+
+    def strict(forward_or_backward):
+        def count(*shapes):
+            assert len({s[1] for s in shapes}) == 1, "query/key/value shapes are incompatible"
+            return forward_or_backward(*shapes)
+        return count
+
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", strict(flop_counter.sdpa_flop_count))
+    monkeypatch.setattr(flop_counter, "sdpa_backward_flop_count", strict(flop_counter.sdpa_backward_flop_count))
+    strict_forward, strict_backward = flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count
+    q, kv = (2, 32, 1024, 128), (2, 8, 1024, 128)
+    with pytest.raises(AssertionError):
+        flop_counter.sdpa_flop_count(q, kv, kv)
+    with meta_adapter._grouped_query_flops():
+        assert flop_counter.sdpa_flop_count(q, kv, kv) == strict_forward(q, q, q) == 2 * 2 * (2 * 32 * 1024 * 1024 * 128)
+        assert flop_counter.sdpa_backward_flop_count(q, q, kv, kv) == strict_backward(q, q, q, q)
+    assert (flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count) == (strict_forward, strict_backward)

@@ -82,6 +82,34 @@ def _device_named(name: str) -> Iterator[None]:
         estimation._get_device_limit = original
 
 
+@contextlib.contextmanager
+def _grouped_query_flops() -> Iterator[None]:
+    """torch 2.11's FLOP formulas for attention assert that k and v have as many heads as q, but CUDA
+    SDPA takes llama3's grouped-query k and v unexpanded (`enable_gqa`), so Meta's compute estimate
+    stops in them on the GPU. Where they refuse such shapes, k and v are counted broadcast to q's heads,
+    as the kernel computes them (torch 2.13's own formulas do the same)."""
+    from torch.utils import flop_counter as counter
+
+    forward, backward = counter.sdpa_flop_count, counter.sdpa_backward_flop_count
+    try:
+        forward((1, 2, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1))
+    except AssertionError:
+        pass
+    else:
+        yield
+        return
+
+    def broadcast(q: tuple[int, ...], kv: tuple[int, ...]) -> tuple[int, ...]:
+        return (kv[0], q[1], *kv[2:])
+
+    counter.sdpa_flop_count = lambda q, k, v: forward(q, broadcast(q, k), broadcast(q, v))
+    counter.sdpa_backward_flop_count = lambda g, q, k, v: backward(g, q, broadcast(q, k), broadcast(q, v))
+    try:
+        yield
+    finally:
+        counter.sdpa_flop_count, counter.sdpa_backward_flop_count = forward, backward
+
+
 @dataclass
 class Session:
     """An entered AutoParallel with its constraints set, and how long tracing and building took."""
@@ -128,7 +156,7 @@ def session(model: nn.Module, batch_shape: tuple[int, int], mesh: DeviceMesh, mp
         return torch.zeros(batch_shape, dtype=torch.long, device=mesh.device_type)
 
     policy = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
-    with _device_named(PRICED_AS):
+    with _device_named(PRICED_AS), _grouped_query_flops():
         t0 = time.perf_counter()
         with Timed(model, input_fn, mesh, policy) as autop:
             entered_s = time.perf_counter() - t0

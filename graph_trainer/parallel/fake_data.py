@@ -1,0 +1,97 @@
+"""What a collective's output holds on the fake process group: the rank's own data, never stale memory.
+
+torch's fake process group moves no data, and on torch 2.11 (the GPU machines) its reduce-scatter and
+all-to-all leave their outputs as allocated: stale memory that soon makes activations and gradients
+NaN. That is not harmless for a benchmark of compute: measured on an H200, a bf16 GEMM of NaNs runs
+at 775 TFLOP/s against 662 for random values (the power-limited GPU clocks up from 1485 to 1740 MHz;
+bench/fake_data_check.py), so a fake run that went NaN looks up to 1.17x faster than the real job.
+
+Here the functional collectives every traced and eager path of this package calls get kernels that
+fill their outputs from the rank's input: a reduce-scatter returns the rank's chunk of it (what an
+average over ranks holding the same data gives; torch 2.13's fake group does the same), an all-gather
+repeats it (as both torch versions do), an all-to-all returns it (the rank's own tokens, in slots of
+the sizes asked for). Shapes, dtypes and one device copy per collective are what a real collective
+gives; values stay those of a training step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+_KERNEL_KEYS = ("CPU", "CUDA")
+_library: torch.library.Library | None = None
+
+
+def _rank_in(group_name: str) -> int:
+    return dist.get_rank(_resolve_process_group(group_name))
+
+
+def _own_chunk(inp: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    return inp.chunk(group_size)[_rank_in(group_name)]
+
+
+def _reduce_scatter(inp: torch.Tensor, reduce_op: str, group_size: int, group_name: str) -> torch.Tensor:
+    return _own_chunk(inp, group_size, group_name).clone(memory_format=torch.contiguous_format)
+
+
+def _reduce_scatter_out(inp: torch.Tensor, reduce_op: str, group_size: int, group_name: str, *, out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(_own_chunk(inp, group_size, group_name))
+
+
+def _reduce_scatter_coalesced(inputs: list[torch.Tensor], reduce_op: str, group_size: int, group_name: str) -> list[torch.Tensor]:
+    return [_reduce_scatter(t, reduce_op, group_size, group_name) for t in inputs]
+
+
+def _all_gather(inp: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    return inp.repeat(group_size, *[1] * (inp.dim() - 1)) if inp.dim() else inp.repeat(group_size)
+
+
+def _all_gather_out(inp: torch.Tensor, group_size: int, group_name: str, *, out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(_all_gather(inp, group_size, group_name))
+
+
+def _all_gather_coalesced(inputs: list[torch.Tensor], group_size: int, group_name: str) -> list[torch.Tensor]:
+    return [_all_gather(t, group_size, group_name) for t in inputs]
+
+
+def _all_to_all(inp: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group_name: str) -> torch.Tensor:
+    rows = sum(output_split_sizes) if output_split_sizes else inp.shape[0]
+    if rows == inp.shape[0]:
+        return inp.clone(memory_format=torch.contiguous_format)
+    # uneven slots (dynamic splits): each output row repeats an input row, cycling
+    index = torch.arange(rows, device=inp.device) % max(inp.shape[0], 1)
+    return inp.index_select(0, index) if inp.shape[0] else inp.new_zeros((rows, *inp.shape[1:]))
+
+
+_KERNELS = {
+    "reduce_scatter_tensor": _reduce_scatter,
+    "reduce_scatter_tensor_out": _reduce_scatter_out,
+    "reduce_scatter_tensor_coalesced": _reduce_scatter_coalesced,
+    "all_gather_into_tensor": _all_gather,
+    "all_gather_into_tensor_out": _all_gather_out,
+    "all_gather_into_tensor_coalesced": _all_gather_coalesced,
+    "all_to_all_single": _all_to_all,
+}
+
+
+def fill_collective_outputs() -> None:
+    """Give the functional collectives the kernels above (process-wide; idempotent). Only for a
+    process on the fake process group: a real collective must not be replaced."""
+    global _library
+    if _library is not None:
+        return
+    library = torch.library.Library("_c10d_functional", "IMPL")
+    for name, kernel in _KERNELS.items():
+        for key in _KERNEL_KEYS:
+            library.impl(name, kernel, key)
+    _library = library
+
+
+def restore_collectives() -> None:
+    """Undo `fill_collective_outputs` (before a real process group is made in this process)."""
+    global _library
+    if _library is not None:
+        _library._destroy()
+        _library = None

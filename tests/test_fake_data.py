@@ -1,0 +1,77 @@
+"""What collectives return under `--comm.mode fake` (graph_trainer/parallel/fake_data.py).
+
+torch 2.11's fake process group leaves a reduce-scatter's and an all-to-all's output as allocated
+(measured on the GPU machine: bench/results/2026-11-24-fake-data-check.json), and a step that goes NaN
+runs GEMMs at higher clocks than a real one. The kernels fill those outputs from the rank's own input;
+these tests hold them to torch 2.13's fake group where it copies (reduce-scatter: the rank's chunk;
+all-gather: the input repeated), and to returning the input where it does not copy (all-to-all).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from graph_trainer.parallel import fake_data
+from graph_trainer.parallel.compat import init_fake_process_group
+
+RANK, WORLD = 2, 4
+ops = torch.ops._c10d_functional
+
+
+@pytest.fixture
+def fake_group():
+    init_fake_process_group(WORLD, RANK)
+    yield dist.group.WORLD.group_name
+    fake_data.restore_collectives()
+    dist.destroy_process_group()
+
+
+def _outputs(group: str, x: torch.Tensor) -> list[torch.Tensor]:
+    wait = ops.wait_tensor
+    return [wait(ops.reduce_scatter_tensor(x, "sum", WORLD, group)), wait(ops.reduce_scatter_tensor(x, "avg", WORLD, group)),
+            wait(ops.all_gather_into_tensor(x, WORLD, group)), *[wait(t) for t in ops.reduce_scatter_tensor_coalesced([x, 2 * x], "sum", WORLD, group)]]
+
+
+def test_reduce_scatter_and_all_gather_fill_outputs_as_torchs_copying_fake_group(fake_group):
+    x = torch.randn(8, 3)
+    torchs = _outputs(fake_group, x)
+    fake_data.fill_collective_outputs()
+    ours = _outputs(fake_group, x)
+    own = x[RANK * 2 : RANK * 2 + 2]
+    assert torch.equal(ours[0], own) and torch.equal(ours[2], x.repeat(WORLD, 1)) and torch.equal(ours[4], 2 * own)
+    if torch.__version__ >= "2.13":  # this torch's own fake group copies: ours must give the same values
+        assert all(torch.equal(a, b) for a, b in zip(torchs, ours))
+
+
+def test_all_to_all_returns_the_input_through_the_autograd_variant_too(fake_group):
+    fake_data.fill_collective_outputs()
+    x = torch.randn(8, 3)
+    assert torch.equal(ops.wait_tensor(ops.all_to_all_single(x, [2] * WORLD, [2] * WORLD, fake_group)), x)
+    y = x.clone().requires_grad_()
+    out = funcol.all_to_all_single_autograd(y, None, None, dist.group.WORLD)
+    assert torch.equal(funcol.wait_tensor(out), x)
+    uneven = ops.wait_tensor(ops.all_to_all_single(x, [1, 1, 1, 2], [2] * WORLD, fake_group))
+    assert torch.equal(uneven, x[:5])
+
+
+def test_stale_memory_is_never_returned(fake_group):
+    """A reduce-scatter written out of place into a buffer holding NaN (stale memory) returns data."""
+    fake_data.fill_collective_outputs()
+    x = torch.randn(8, 3)
+    out = torch.full((2, 3), float("nan"))
+    ops.reduce_scatter_tensor_out(x, "sum", WORLD, fake_group, out=out)
+    assert torch.equal(out, x[RANK * 2 : RANK * 2 + 2])
+
+
+def test_restore_gives_torch_its_kernels_back(fake_group):
+    fake_data.fill_collective_outputs()
+    fake_data.restore_collectives()
+    x = torch.randn(8, 3)
+    out = torch.full((2, 3), 7.0)
+    ops.reduce_scatter_tensor_out(x, "sum", WORLD, fake_group, out=out)
+    # torch's fake group on 2.13 copies the chunk, on 2.11 leaves the 7s: either way not via our kernel
+    assert torch.equal(out, x[4:6]) or bool((out == 7.0).all())
+    assert fake_data._library is None
