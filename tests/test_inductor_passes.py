@@ -10,12 +10,13 @@ import re
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from helpers import cached_run, losses, read_metrics
+from test_bucketing import fake_pg  # noqa: F401  (fixture)
 
 from graph_trainer.graph_dump import GraphDumper
 from graph_trainer.passes.compat import select_decomp_table
@@ -158,6 +159,58 @@ def test_full_inductor_output_runs_without_autograd(toy):
     compiled = full_inductor_compilation(inductor_decomposition(gm, ctx), ctx)
     outs = compiled(*real)
     assert all(not o.requires_grad for o in outs)
+
+
+FC = torch.ops._c10d_functional
+ORDERED = {torch.ops.aten.mm.default: "mm", FC.all_gather_into_tensor.default: "all_gather",
+           FC.reduce_scatter_tensor.default: "reduce_scatter", FC.wait_tensor.default: "wait"}
+"""The ops whose order the compiled train step must keep, by the name Inductor's wrapper calls them by."""
+CALLED = re.compile(r"extern_kernels\.(mm)\(|_c10d_functional\.(all_gather|reduce_scatter|wait)_?\w*\.default\(")
+
+
+def resharded_step(group: str, blocks: int = 4, dim: int = 64, tokens: int = 128) -> fx.GraphModule:
+    """A train step shaped like aot_fx_trace's under SimpleFSDP with full activation checkpointing:
+    each block all-gathers its bf16 cast shard, forward keeps only block inputs, and backward gathers
+    every shard again, recomputes the block and reduce-scatters its weight gradient."""
+
+    def gather(shard):
+        return FC.wait_tensor(FC.all_gather_into_tensor(shard.to(torch.bfloat16), 2, group))
+
+    def step(*args):
+        shards, x = args[:-1], args[-1]
+        inputs = [x]
+        for shard in shards:
+            inputs.append(torch.relu(inputs[-1] @ gather(shard).t()))
+        loss = inputs[-1].float().pow(2).mean()
+        grad = (2 * inputs[-1].float() / inputs[-1].numel()).to(torch.bfloat16)
+        grads = []
+        for i in reversed(range(len(shards))):
+            weight, h = gather(shards[i]), inputs[i]
+            grad = grad * (torch.relu(h @ weight.t()) > 0)
+            grads.append(FC.wait_tensor(FC.reduce_scatter_tensor((grad.t() @ h).float(), "avg", 2, group)))
+            if i:  # the batch needs no gradient
+                grad = grad @ weight
+        return (loss, *reversed(grads))
+
+    shards = [torch.randn(dim // 2, dim) for _ in range(blocks)]
+    return make_fx(step, tracing_mode="fake")(*shards, torch.randn(tokens, dim, dtype=torch.bfloat16))
+
+
+def test_full_inductor_keeps_the_train_step_order(fake_pg):
+    """Inductor runs the matmuls and collectives of the train-step graph in the traced order. Its own
+    reorderings would start all four forward all-gathers before the first matmul (every gathered
+    weight live at once) and, for a larger model, the backward's casts for its re-gathers in the
+    forward, or every gradient's reduce-scatter wait at the return (see KEEP_TRAIN_STEP_ORDER)."""
+    from torch._inductor.utils import run_and_get_code
+
+    gm = resharded_step(fake_pg)
+    traced = [ORDERED[n.target] for n in gm.graph.nodes if n.target in ORDERED]
+    ctx = PassContext(cfg=None, meshes=None, device=torch.device("cpu"), num_params=4)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, (code,) = run_and_get_code(full_inductor_compilation, gm, ctx)
+    called = [next(g for g in m.groups() if g) for m in CALLED.finditer(code[code.index("def call("):])]
+    assert traced.count("mm") == 15 and traced.count("all_gather") == 8 and traced.count("reduce_scatter") == 4
+    assert called == traced
 
 
 SMALL = ("--training.steps", "5", "--training.batch_size", "2", "--training.seq_len", "64", "--metrics.log_freq", "1")
