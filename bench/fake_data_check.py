@@ -1,5 +1,6 @@
 """GPU check of what fake-communication throughput figures rest on: (1) what torch's fake process
-group leaves in a collective's output on this torch (copies of the input, as a real collective's
+group leaves in a collective's output on this torch, and what it leaves with graph-trainer's
+kernels (graph_trainer.parallel.fake_data) (copies of the input, as a real collective's
 shapes and magnitudes would give, or the output untouched), and (2) whether a bf16 GEMM's speed
 depends on the values it multiplies (random, NaN, zeros): a power-limited GPU runs cooler data at
 higher clocks, so a run whose tensors went NaN is not comparable with one whose did not.
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from graph_trainer.parallel.compat import init_fake_process_group
+from graph_trainer.parallel.fake_data import fill_collective_outputs, restore_collectives
 
 WORLD = 8
 SENTINEL = 7.0
@@ -28,7 +30,7 @@ SENTINEL = 7.0
 def collective_outputs() -> dict[str, str]:
     """For each collective: 'copies input' if the output holds the input's values, 'untouched' if
     it still holds the sentinel it was filled with, else 'other'."""
-    init_fake_process_group(WORLD)
+    init_fake_process_group(WORLD, 0)
     x = torch.arange(WORLD * 4, dtype=torch.float32, device="cuda")
     found = {}
 
@@ -39,20 +41,28 @@ def collective_outputs() -> dict[str, str]:
 
     out = torch.full((WORLD * x.numel(),), SENTINEL, device="cuda")
     dist.all_gather_into_tensor(out, x)
-    found["all_gather_into_tensor"] = verdict(out, x.repeat(WORLD))
+    found["c10d all_gather_into_tensor"] = verdict(out, x.repeat(WORLD))
     out = torch.full((4,), SENTINEL, device="cuda")
     dist.reduce_scatter_tensor(out, x)
-    found["reduce_scatter_tensor"] = verdict(out, x[:4])
+    found["c10d reduce_scatter_tensor"] = verdict(out, x[:4])
     out = torch.full_like(x, SENTINEL)
     dist.all_to_all_single(out, x)
-    found["all_to_all_single"] = verdict(out, x)
+    found["c10d all_to_all_single"] = verdict(out, x)
     y = x.clone()
     dist.all_reduce(y)
-    found["all_reduce"] = "input kept" if torch.equal(y, x) else "changed"
-    import torch.distributed._functional_collectives as funcol
-
-    gathered = funcol.all_gather_tensor(x, 0, dist.group.WORLD)
-    found["functional all_gather_tensor"] = verdict(gathered, x.repeat(WORLD))
+    found["c10d all_reduce"] = "input kept" if torch.equal(y, x) else "changed"
+    # the functional collectives (SimpleFSDP, DTensor, traced graphs) allocate their outputs: stale
+    # memory shows as 'other', so the sentinel is planted by freeing a buffer of it first
+    group, ops = dist.group.WORLD.group_name, torch.ops._c10d_functional
+    for name, call, expected in (
+            ("all_gather_into_tensor", lambda: ops.all_gather_into_tensor(x, WORLD, group), x.repeat(WORLD)),
+            ("reduce_scatter_tensor", lambda: ops.reduce_scatter_tensor(x, "sum", WORLD, group), x[:4]),
+            ("all_to_all_single", lambda: ops.all_to_all_single(x, [4] * WORLD, [4] * WORLD, group), x)):
+        del out
+        out = torch.full((WORLD * x.numel(),), SENTINEL, device="cuda")
+        del out
+        out = ops.wait_tensor(call())
+        found[f"functional {name}"] = verdict(out, expected)
     dist.destroy_process_group()
     return found
 
@@ -93,7 +103,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
-    result = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "fake_pg": collective_outputs(),
+    torchs = collective_outputs()
+    fill_collective_outputs()
+    ours = collective_outputs()
+    restore_collectives()
+    result = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "fake_pg": torchs,
+              "fake_pg_with_graph_trainer_kernels": ours,
               "gemm": [gemm_tflops(fill) for fill in ("random", "nan", "zeros", "random")]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fake_data_check.json").write_text(json.dumps(result, indent=1) + "\n")

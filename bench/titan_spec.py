@@ -1,11 +1,17 @@
 """A torchtitan 0.2.2 train spec for the benchmarks, loaded with `--experimental.custom_import
 bench.titan_spec`: llama3 with our `1B` flavor (`--model.name gt_llama3`, and its SimpleFSDP experiment as
 `gt_simple_fsdp_llama3`) and torchtitan's DeepSeek V3 (`gt_deepseek_v3`, its own flavors), fed the same random tokens graph-trainer's `--training.random_tokens` gives
-(graph_trainer.data.random_tokens)."""
+(graph_trainer.data.random_tokens).
+
+Under `--comm.mode fake_backend` torchtitan's functional collectives (DTensor's TP and EP) get the
+kernels graph-trainer's fake mode uses (graph_trainer.parallel.fake_data), so neither side's step goes
+NaN on stale collective outputs (NaN GEMMs run faster: bench/fake_data_check.py). FSDP2's
+reduce-scatter calls the process group directly and keeps torch's behaviour."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.experiments.simple_fsdp.llama3 import get_train_spec as get_simple_fsdp_train_spec
@@ -16,6 +22,7 @@ from torchtitan.protocols.train_spec import register_train_spec
 
 from graph_trainer import models
 from graph_trainer.data.random_tokens import random_batch
+from graph_trainer.parallel.fake_data import fill_collective_outputs
 
 
 class SameTokens(BaseDataLoader):
@@ -52,3 +59,7 @@ def _same_model_and_tokens(spec):
 register_train_spec("gt_llama3", _same_model_and_tokens(get_train_spec()))
 register_train_spec("gt_simple_fsdp_llama3", _same_model_and_tokens(get_simple_fsdp_train_spec()))
 register_train_spec("gt_deepseek_v3", dataclasses.replace(get_deepseek_v3_train_spec(), build_dataloader_fn=_build_dataloader))
+
+# the flag is read here, before torchtitan parses its config: this module is imported while it does
+if "fake_backend" in sys.argv:
+    fill_collective_outputs()
