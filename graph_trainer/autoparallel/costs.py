@@ -9,14 +9,15 @@ Collectives over n ranks of a mesh dimension with bandwidth B and ring step late
 all-gather (S->R) and reduce-scatter (P->S): (n-1) L + (n-1)/n * bytes / B with `bytes` the full
 (gathered, or pre-scatter) local size; all-reduce (P->R): twice the bytes, one latency; all-to-all
 (S(d)->S(d')): (n-1) L + (n-1)/n * bytes / B; R->S is a local slice (free); anything -> Partial is
-forbidden. The collectives gather and scatter along tensor dim 0 only (torch's functional collectives):
-a reduce-scatter along another tensor dim first packs the chunks (a copy of the whole local tensor),
-and a gather along another dim ends in a cat of the chunks (a copy), unless every dim before it has
-local size 1 (then the result is a view). Each copy is one kernel priced as a copy (read and write
-every byte, at least the per-kernel floor). A multi-dimension redistribution runs reductions first, then all-to-alls, then gathers
-from the innermost mesh dimension out, each priced on the local size at that moment. The gathers of
-parameters (and the reductions of their gradients) pay one latency per unit, not per parameter: the
-bucketing passes merge them per transformer block, as FSDP implementations do.
+forbidden. The collectives gather and scatter along tensor dim 0 only (torch's functional
+collectives): a reduce-scatter along another tensor dim first packs the chunks (a copy of the whole
+local tensor), and a gather along another dim ends in a cat of the chunks (a copy), unless every dim
+before it has local size 1 (then the result is a view). Each copy is one kernel priced as a copy
+(read and write every byte, at least the per-kernel floor). A multi-dimension redistribution runs
+reductions first, then all-to-alls, then gathers from the innermost mesh dimension out, each priced
+on the local size at that moment. The gathers of parameters (and the reductions of their gradients)
+pay one latency per unit, not per parameter: the bucketing passes merge them per transformer block,
+as FSDP implementations do.
 
 Backward: the plan runs as DTensor ops, so autograd's backward of each redistribution is the
 reverse one that DTensor performs (gradient layout -> the producer's layout, where a Partial
@@ -98,7 +99,7 @@ def _redistribute(cm: CommModel, nbytes: float, src: Spec, dst: Spec, latency_sh
         colls.append((kind, b))
 
     def gathers_into_view(dim: int) -> bool:
-        """Every tensor dim before `dim` has local size 1 (an unknown shape: not known to)."""
+        """Every tensor dim before `dim` has local size 1 (False where the shape is not given)."""
         if len(shape) <= dim:
             return False
         return all(shape[d] // math.prod(n for p, n in zip(cur, cm.sizes) if p == f"S{d}") == 1 for d in range(dim))
