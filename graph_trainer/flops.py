@@ -8,13 +8,19 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 
-def _cpu_attention_flops(node: fx.Node) -> int | None:
-    """The CPU flash-attention kernels, which the flop registry does not list: two matmuls per query
-    head forward (GQA shares k/v), 2.5x that backward (as the registry counts the GPU kernels)."""
+_SDPA_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+
+
+def _attention_flops(node: fx.Node) -> int | None:
+    """The SDPA kernels, counted here rather than by the flop registry: it does not list the CPU flash
+    kernel, and torch 2.11's formulas reject grouped-query attention's k and v with fewer heads than q
+    (as the CUDA kernels take them), which counted 0. Two matmuls per query head forward (GQA shares
+    k/v), 2.5x that backward (as the registry counts them)."""
     name = node.target._opname if isinstance(node.target, torch._ops.OpOverload) else ""
-    if not name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
-        return None
     backward = name.endswith("_backward")
+    if name.removesuffix("_backward") not in _SDPA_KERNELS:
+        return None
     q, k = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in (node.args[1:3] if backward else node.args[:2]))
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
         return None
@@ -27,7 +33,7 @@ def node_flops(node: fx.Node) -> int:
     """FLOPs of one call node on its `meta["val"]` shapes (0 for ops without a formula)."""
     if node.op != "call_function":
         return 0
-    attention = _cpu_attention_flops(node)
+    attention = _attention_flops(node)
     if attention is not None:
         return attention
     target = node.target

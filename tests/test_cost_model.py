@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from torch import fx
 
 from test_bucketing import fake_pg, trace_llama  # noqa: F401  (fake_pg is a fixture)
 
@@ -160,3 +161,37 @@ def test_each_kernel_costs_at_least_the_floor():
     big = hardware.roofline_s(flops, nbytes, torch.bfloat16, hw)
     assert big > hw.launch_s
     assert compute_time(flops, [2.0 * n * n] * 2, [2.0 * n * n], one, (), torch.bfloat16, hw, needs_grad=True) == 3 * big
+
+
+def test_grouped_query_attention_kernels_count_the_registrys_flops(monkeypatch):
+    """The CUDA SDPA kernels take GQA's k and v with fewer heads than q; torch 2.11's flop formulas
+    reject those shapes (0 FLOPs: the 8B prediction missed its attention), as the formulas installed
+    here do. Counted per query head, they are the registry's count for the same attention with k and
+    v repeated to q's heads."""
+    from torch.utils.flop_counter import flop_registry
+
+    from graph_trainer.flops import node_flops
+
+    aten = torch.ops.aten
+    for op in (aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward):
+        def strict(*args, _formula=flop_registry[op], _backward=op is not aten._scaled_dot_product_cudnn_attention, **kwargs):
+            q, k = args[1:3] if _backward else args[:2]
+            assert q.shape[1] == k.shape[1], "query/key/value shapes are incompatible"
+            return _formula(*args, **kwargs)
+
+        monkeypatch.setitem(flop_registry, op, strict)
+    meta = lambda *shape: torch.empty(shape, device="meta", dtype=torch.bfloat16)  # noqa: E731
+    q, kv, repeated = meta(2, 32, 1024, 128), meta(2, 8, 1024, 128), meta(2, 32, 1024, 128)
+    lse = torch.empty(2, 32, 1024, device="meta")
+    g = fx.Graph()
+    n = {}
+    for name, val in (("q", q), ("kv", kv), ("grad", q), ("out", q), ("lse", lse)):
+        n[name] = g.placeholder(name)
+        n[name].meta["val"] = val
+    fwd = g.call_function(aten._scaled_dot_product_cudnn_attention.default, (n["q"], n["kv"], n["kv"], None, True, 0.0, True))
+    bwd = g.call_function(aten._scaled_dot_product_cudnn_attention_backward.default,
+                          (n["grad"], n["q"], n["kv"], n["kv"], n["out"], n["lse"], None, None, None, 1024, 1024, 0.0, True))
+    reference = flop_registry[aten._scaled_dot_product_cudnn_attention](q, repeated, repeated, None, True, 0.0, True, out_val=None)
+    assert reference == 4 * 2 * 32 * 1024 * 1024 * 128
+    assert node_flops(fwd) == reference
+    assert node_flops(bwd) == reference * 5 // 2

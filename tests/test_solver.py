@@ -35,6 +35,18 @@ def test_collective_formulas():
     assert colls[0][0] == "reduce_scatter" and t == pytest.approx(3 * 10e-6 + 0.75 * nbytes / 100e9)
     assert cm.redistribute(nbytes, ("R",), ("S0",))[0] == 0.0
     assert math.isinf(cm.redistribute(nbytes, ("R",), ("P",))[0])
+    # The collectives run along tensor dim 0: a reduce-scatter along another dim packs the chunks first,
+    # a gather along another dim ends in a cat unless the dims before it are 1 locally (then a view):
+    # one copy, read + write at 1e12 B/s, at least the 50 us kernel floor
+    copying = dataclasses.replace(cm, copy_bytes_per_s=1e12, kernel_floor_s=50e-6)
+    gather, copy = cm.redistribute(nbytes, ("S0",), ("R",))[0], 2 * nbytes / 1e12
+    weight, sequence = (20000, 5000), (1, 8192, 4096)
+    assert copying.redistribute(nbytes, ("S0",), ("R",), shape=weight)[0] == gather
+    assert copying.redistribute(nbytes, ("S1",), ("R",), shape=weight)[0] == pytest.approx(gather + copy)
+    assert copying.redistribute(nbytes, ("S1",), ("R",), shape=sequence)[0] == gather
+    assert copying.redistribute(nbytes, ("P",), ("S1",), shape=sequence)[0] == pytest.approx(
+        cm.redistribute(nbytes, ("P",), ("S0",))[0] + copy)
+    assert copying.redistribute(1e3, ("S1",), ("R",), shape=weight)[0] == pytest.approx(cm.redistribute(1e3, ("S1",), ("R",))[0] + 50e-6)
     # batch-parallel matmul: the replicated weight's gradient is partial, reduced back to its shard
     mm = Strategy(outs=(("S0",),), ins=(("S0",), ("R",)))
     assert grad_spec(mm, 1) == ("P",) and backward_target(("S0",), ("P",)) == ("S0",)

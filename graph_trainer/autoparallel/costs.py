@@ -9,10 +9,15 @@ Collectives over n ranks of a mesh dimension with bandwidth B and ring step late
 all-gather (S->R) and reduce-scatter (P->S): (n-1) L + (n-1)/n * bytes / B with `bytes` the full
 (gathered, or pre-scatter) local size; all-reduce (P->R): twice the bytes, one latency; all-to-all
 (S(d)->S(d')): (n-1) L + (n-1)/n * bytes / B; R->S is a local slice (free); anything -> Partial is
-forbidden. A multi-dimension redistribution runs reductions first, then all-to-alls, then gathers
-from the innermost mesh dimension out, each priced on the local size at that moment. The gathers of
-parameters (and the reductions of their gradients) pay one latency per unit, not per parameter: the
-bucketing passes merge them per transformer block, as FSDP implementations do.
+forbidden. The collectives gather and scatter along tensor dim 0 only (torch's functional
+collectives): a reduce-scatter along another tensor dim first packs the chunks (a copy of the whole
+local tensor), and a gather along another dim ends in a cat of the chunks (a copy), unless every dim
+before it has local size 1 (then the result is a view). Each copy is one kernel priced as a copy
+(read and write every byte, at least the per-kernel floor). A multi-dimension redistribution runs
+reductions first, then all-to-alls, then gathers from the innermost mesh dimension out, each priced
+on the local size at that moment. The gathers of parameters (and the reductions of their gradients)
+pay one latency per unit, not per parameter: the bucketing passes merge them per transformer block,
+as FSDP implementations do.
 
 Backward: the plan runs as DTensor ops, so autograd's backward of each redistribution is the
 reverse one that DTensor performs (gradient layout -> the producer's layout, where a Partial
@@ -50,11 +55,17 @@ class CommModel:
     sizes: tuple[int, ...]
     links: tuple[tuple[float, float], ...]
     """(bytes/s, ring step latency) per solver mesh dim."""
+    copy_bytes_per_s: float = math.inf
+    """Local memory bandwidth for the reorder copy of a gather or scatter along a tensor dim other than 0."""
+    kernel_floor_s: float = 0.0
+    """The least time of that copy (`Hardware.launch_s`)."""
 
-    def redistribute(self, nbytes: float, src: Spec, dst: Spec, latency_share: float = 1.0) -> tuple[float, tuple[tuple[str, float], ...]]:
+    def redistribute(self, nbytes: float, src: Spec, dst: Spec, latency_share: float = 1.0,
+                     shape: tuple[int, ...] = ()) -> tuple[float, tuple[tuple[str, float], ...]]:
         """Time in seconds (inf if impossible) and the collectives as (kind, bytes) pairs.
-        `latency_share` < 1 prices a collective that is bucketed with others (one alpha per bucket)."""
-        return _redistribute(self, nbytes, src, dst, latency_share)
+        `latency_share` < 1 prices a collective that is bucketed with others (one alpha per bucket);
+        `shape`, the value's global shape, tells whether a gather's result is a view (empty: it is not)."""
+        return _redistribute(self, nbytes, src, dst, latency_share, tuple(shape))
 
     def collective(self, kind: str, nbytes: float, mesh_dim: int, latency_share: float = 1.0) -> float:
         """Seconds for one collective on solver mesh dim `mesh_dim`; `nbytes` is the full (gathered,
@@ -62,9 +73,14 @@ class CommModel:
         bw, latency = self.links[mesh_dim]
         return ring_collective_s(kind, nbytes, self.sizes[mesh_dim], bw, latency, latency_share)
 
+    def reorder_copy(self, nbytes: float) -> float:
+        """Seconds for the local copy that a gather or scatter along a tensor dim other than 0 adds."""
+        return max(2 * nbytes / self.copy_bytes_per_s, self.kernel_floor_s)
+
 
 @lru_cache(maxsize=None)
-def _redistribute(cm: CommModel, nbytes: float, src: Spec, dst: Spec, latency_share: float) -> tuple[float, tuple[tuple[str, float], ...]]:
+def _redistribute(cm: CommModel, nbytes: float, src: Spec, dst: Spec, latency_share: float,
+                  shape: tuple[int, ...]) -> tuple[float, tuple[tuple[str, float], ...]]:
     if src == dst:
         return 0.0, ()
     cur = list(src)
@@ -74,15 +90,23 @@ def _redistribute(cm: CommModel, nbytes: float, src: Spec, dst: Spec, latency_sh
     t = 0.0
     colls: list[tuple[str, float]] = []
 
-    def run(kind: str, m: int) -> None:
+    def run(kind: str, m: int, copies: bool = False) -> None:
         nonlocal t
         b = nbytes / shard_factor(tuple(cur), cm.sizes)
         t += cm.collective(kind, b, m, latency_share)
+        if copies:
+            t += cm.reorder_copy(b)
         colls.append((kind, b))
+
+    def gathers_into_view(dim: int) -> bool:
+        """Every tensor dim before `dim` has local size 1 (False where the shape is not given)."""
+        if len(shape) <= dim:
+            return False
+        return all(shape[d] // math.prod(n for p, n in zip(cur, cm.sizes) if p == f"S{d}") == 1 for d in range(dim))
 
     for m in range(len(cur)):
         if cur[m].startswith("P") and dst[m] != cur[m]:
-            run("all_reduce" if dst[m] == "R" else "reduce_scatter", m)
+            run("all_reduce" if dst[m] == "R" else "reduce_scatter", m, dst[m] not in ("R", "S0"))
             cur[m] = dst[m]
     for m in range(len(cur)):
         if cur[m].startswith("S") and dst[m].startswith("S") and cur[m] != dst[m]:
@@ -90,8 +114,9 @@ def _redistribute(cm: CommModel, nbytes: float, src: Spec, dst: Spec, latency_sh
             cur[m] = dst[m]
     for m in reversed(range(len(cur))):
         if cur[m].startswith("S") and dst[m] == "R":
+            dim = int(cur[m][1:])
             cur[m] = "R"
-            run("all_gather", m)
+            run("all_gather", m, not gathers_into_view(dim))
     return t, tuple(colls)
 
 

@@ -120,8 +120,8 @@ class _Builder:
         self.edges.append(program.ProgramEdge(src, dst, [si[k] for k in src_keys], [di[k] for k in dst_keys], cost))
         self.edge_info.append((src_keys, dst_keys, table))
 
-    def _price(self, nbytes: float, src: Spec, dst: Spec, share: float, mult: float, direction: str) -> tuple[float, list]:
-        t, colls = self.comm.redistribute(nbytes, src, dst, share)
+    def _price(self, value: _Value, nbytes: float, src: Spec, dst: Spec, mult: float, direction: str) -> tuple[float, list]:
+        t, colls = self.comm.redistribute(nbytes, src, dst, value.latency_share, value.shape)
         if math.isinf(t):
             return t, []
         return mult * t, [(direction, kind, mult, mult * b, mult * t / len(colls)) for kind, b in colls]
@@ -131,7 +131,6 @@ class _Builder:
         once into a shared layout (a copy node) that the readers take from, and their gradients are
         summed in an accumulator layout (another node) before going back to the producer once."""
         outs = [_out_key(s, value.out) for s in self.strategies[value.node]]
-        share = value.latency_share
         if len(uses) == 1:
             dst, arg, mult = uses[0]
             strats = self.strategies[dst]
@@ -141,10 +140,10 @@ class _Builder:
                 keys = [(s.ins[arg], grad_spec(s, arg)) for s in strats]
 
             def both(o: tuple, k: tuple) -> tuple[float, list]:
-                t1, c1 = self._price(value.nbytes, o[0], k[0], share, mult, "forward")
+                t1, c1 = self._price(value, value.nbytes, o[0], k[0], mult, "forward")
                 if math.isinf(t1) or k[1] is None:
                     return t1, c1
-                t2, c2 = self._price_grad(value.grad_nbytes, k[1], o, k[0], share, mult)
+                t2, c2 = self._price_grad(value, k[1], o, k[0], mult)
                 return t1 + t2, c1 + c2
 
             self.edge(value.node, outs, dst, keys, both)
@@ -152,10 +151,10 @@ class _Builder:
         mult = uses[0][2]
         copies = list(dict.fromkeys([o[0] for o in outs] + candidate_specs(value.shape, self.mesh.sizes)))
         copy = self.add_node([Strategy((c,), (c,)) for c in copies], [0.0] * len(copies), (-1, "copy"))
-        self.edge(value.node, outs, copy, copies, lambda o, c: self._price(value.nbytes, o[0], c, share, mult, "forward"))
+        self.edge(value.node, outs, copy, copies, lambda o, c: self._price(value, value.nbytes, o[0], c, mult, "forward"))
         for dst, arg, m in uses:
             keys = [s.ins[arg] for s in self.strategies[dst]]
-            self.edge(copy, copies, dst, keys, lambda c, r, m=m: self._price(value.nbytes, c, r, share, m, "forward"))
+            self.edge(copy, copies, dst, keys, lambda c, r, m=m: self._price(value, value.nbytes, c, r, m, "forward"))
         if value.grad_nbytes is None:
             return
         grads = {grad_spec(s, arg): None for dst, arg, _ in uses for s in self.strategies[dst]}
@@ -163,10 +162,10 @@ class _Builder:
         acc = self.add_node([Strategy((a,), ()) for a in layouts], [0.0] * len(layouts), (-1, "grad-accumulator"))
         for dst, arg, m in uses:
             gkeys = [grad_spec(s, arg) for s in self.strategies[dst]]
-            self.edge(dst, gkeys, acc, layouts, lambda g, a, m=m: self._price(value.grad_nbytes, g, _into(g, a), share, m, "backward"))
-        self.edge(value.node, outs, acc, layouts, lambda o, a: self._price_grad(value.grad_nbytes, a, o, o[0], share, mult))
+            self.edge(dst, gkeys, acc, layouts, lambda g, a, m=m: self._price(value, value.grad_nbytes, g, _into(g, a), m, "backward"))
+        self.edge(value.node, outs, acc, layouts, lambda o, a: self._price_grad(value, a, o, o[0], mult))
 
-    def _price_grad(self, nbytes: float, grad: Spec, out_key: tuple, forward_dst: Spec, share: float, mult: float) -> tuple[float, list]:
+    def _price_grad(self, value: _Value, grad: Spec, out_key: tuple, forward_dst: Spec, mult: float) -> tuple[float, list]:
         """The gradient's way back into its producer. By default DTensor's backward of the forward
         redistribution sends it to the producer's layout (backward_target). A producer that takes a
         Partial gradient (`Strategy.grad_outs`) gets it only when nothing was redistributed in forward."""
@@ -177,7 +176,7 @@ class _Builder:
             return math.inf, []
         else:
             target = accepted
-        return self._price(nbytes, grad, target, share, mult, "backward")
+        return self._price(value, value.grad_nbytes, grad, target, mult, "backward")
 
 
 def _out_key(s: Strategy, out: int) -> tuple[Spec, Spec | None]:
@@ -202,7 +201,7 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
     t0 = time.perf_counter()
     sizes = mesh.sizes
     hw = settings.hw
-    comm = CommModel(sizes, mesh_links(mesh.shape, mesh.solver_dims, hw))
+    comm = CommModel(sizes, mesh_links(mesh.shape, mesh.solver_dims, hw), hw.mem_bw, hw.launch_s)
     enum = StrategyEnumerator(solver_mesh, sizes) if solver_mesh is not None else None
     b = _Builder(mesh, settings, comm, enum)
     one: Spec = tuple("R" for _ in sizes)

@@ -52,7 +52,9 @@ def is_fsdp_all_gather(node: fx.Node) -> bool:
 
 
 def is_fsdp_reduce_scatter(node: fx.Node) -> bool:
-    """A gradient reduce-scatter: its result reaches the graph outputs through one-input ops only."""
+    """A gradient reduce-scatter: its result reaches the graph outputs through one-input ops only. A
+    copy into a fresh buffer (`copy_(empty_strided(...), grad)`: autograd giving a gradient the strides
+    of a parameter stored transposed) counts as one-input: the buffer holds no data."""
     if node.target is not REDUCE_SCATTER:
         return False
     seen: set[fx.Node] = set()
@@ -65,7 +67,7 @@ def is_fsdp_reduce_scatter(node: fx.Node) -> bool:
         for user in n.users:
             if user.op == "output":
                 continue
-            if len(user.all_input_nodes) != 1:
+            if len([i for i in user.all_input_nodes if i.all_input_nodes or i.op == "placeholder"]) != 1:
                 return False
             todo.append(user)
     return True
