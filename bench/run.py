@@ -391,7 +391,8 @@ def run_suite(runs: list[Run], runs_dir: Path, timeout: int, earlier: list[dict]
                                   env={**os.environ, **run.env})
             rc, output = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as e:
-            rc, output = -9, f"timed out after {timeout}s\n" + ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))
+            partial = "".join(s.decode(errors="replace") if isinstance(s, bytes) else s for s in (e.stdout or "", e.stderr or ""))
+            rc, output = -9, f"timed out after {timeout}s\n{partial}"
         dump.mkdir(parents=True, exist_ok=True)
         (dump / "log.txt").write_text(output)
         result = summarize(run, _records(run, dump, output), time.perf_counter() - start, rc, _error_lines(output))
