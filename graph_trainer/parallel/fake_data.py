@@ -3,8 +3,9 @@
 torch's fake process group moves no data, and on torch 2.11 (the GPU machines) its reduce-scatter and
 all-to-all leave their outputs as allocated: stale memory that soon makes activations and gradients
 NaN. That is not harmless for a benchmark of compute: measured on an H200, a bf16 GEMM of NaNs runs
-at 775 TFLOP/s against 662 for random values (the power-limited GPU clocks up from 1485 to 1740 MHz;
-bench/fake_data_check.py), so a fake run that went NaN looks up to 1.17x faster than the real job.
+at 783 TFLOP/s against 662 for random values (the power-limited GPU clocks up from about 1460 to
+1740 MHz; bench/results/2026-11-24-fake-data-check.json), so a fake run that went NaN looks up to
+1.18x faster than the real job would.
 
 Here the functional collectives every traced and eager path of this package calls get kernels that
 fill their outputs from the rank's input: a reduce-scatter returns the rank's chunk of it (what an
