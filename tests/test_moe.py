@@ -308,3 +308,42 @@ def test_trains_on_random_tokens(tmp_path):
     which DeepSeek V3 keeps in its model args only."""
     records = run_train([*SMALL, "--training.random_tokens", "--training.steps", "2"], tmp_path)
     assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
+def test_dispatch_keeps_for_backward_what_the_cost_model_prices(capacity_factor):
+    """The solver's memory model (moe.strategy_cost's saved_bytes) is the activation memory the dispatch
+    keeps for backward: the expert rows, their two hidden projections (not silu's output nor the
+    product: recomputed) and the pairs' outputs in bf16 (not their fp32 copy)."""
+    from types import SimpleNamespace
+
+    from graph_trainer.autoparallel.moe import strategy_cost
+    from graph_trainer.autoparallel.strategies import Strategy
+    from graph_trainer.hardware import H100
+
+    tokens, dim, hidden, experts, top_k = 64, 32, 16, 4, 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, dim, generator=g).bfloat16().requires_grad_()
+    w1, w3 = (torch.randn(experts, hidden, dim, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    w2 = torch.randn(experts, dim, hidden, generator=g).bfloat16().requires_grad_()
+    scores, idx = _routing(6, tokens, experts, top_k)
+    scores.requires_grad_()
+    plan = DispatchPlan(num_experts=experts, top_k=top_k, ep_mesh=None, capacity_factor=capacity_factor, score_before_experts=False)
+
+    kept: dict[int, int] = {}
+    weights = {w.untyped_storage().data_ptr() for w in (w1, w2, w3)}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if t.is_floating_point() and t.dim() >= 2 and storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        dispatch_and_combine(plan, x, scores, idx, w1, w2, w3)
+
+    args = [SimpleNamespace(meta={"val": t}) for t in (x, scores, idx, w1, w2, w3)]
+    replicated = Strategy((("R",),), tuple(("R",) for _ in range(6)))
+    cost = strategy_cost(SimpleNamespace(args=args), replicated, [1], comm=None, hw=H100, capacity_factor=capacity_factor)
+    # the (tokens, 1, top_k) fp32 scores the weighted sum keeps are the only other float tensor
+    assert sum(kept.values()) == cost.saved_bytes + tokens * top_k * 4

@@ -74,9 +74,10 @@ _SPECS = {  # per mesh dim: (tokens, scores, expert ids, w1, w2, w3) -> output
     "hidden": (("R", "R", "R", "S1", "S2", "S1"), "P"),
 }
 _COUNT_BYTES = 8  # the per-expert counts travel as int64
-DISPATCH_KERNELS = 81
+DISPATCH_KERNELS = 83
 """Kernels of one routed-experts op, forward and backward, on one rank: the non-view aten ops of
-`dispatch_and_combine` and its gradient (tests/test_solver_moe.py traces and counts them). Routing
+`dispatch_and_combine` and its gradient, the recomputed SwiGLU product included (tests/test_solver_moe.py
+traces and counts them). Routing
 bookkeeping (sorts, scans, scatters, gathers over token x top-k pairs) is most of them: each costs
 the per-kernel floor, not its bytes."""
 DISPATCH_GEMMS = 9
@@ -156,8 +157,8 @@ class MoECost:
     collectives: tuple[tuple[str, str, float, float], ...]
     """(direction, kind, bytes, seconds) of the all-to-alls inside the op."""
     saved_bytes: float = 0.0
-    """Kept for backward: the routed rows in and out of the experts, their hidden activations, and
-    with EP the dispatch and combine buffers."""
+    """Kept for backward (what `dispatch_and_combine` saves): the rows the experts ran on (every peer's
+    buffer, padding included), their two hidden projections, and each routed pair's output."""
 
 
 def strategy_cost(node: fx.Node, strategy: Strategy, sizes: Sequence[int], comm: CommModel, hw: Hardware,
@@ -177,15 +178,15 @@ def strategy_cost(node: fx.Node, strategy: Strategy, sizes: Sequence[int], comm:
     row_bytes = local_pairs * (2 * dim + 3 * hidden / hidden_split) * itemsize
     gemms = 3.0 * roofline_s(flops, weight_bytes + row_bytes, tokens.dtype, hw)
     compute = max(gemms, DISPATCH_GEMMS * hw.launch_s) + (DISPATCH_KERNELS - DISPATCH_GEMMS) * hw.launch_s
-    saved = row_bytes
+    ep = next((n for n, c in zip(sizes, choices) if c == "experts"), 1)
+    expert_rows = ep * buffer_rows(local_pairs, ep, capacity_factor)
+    saved = (expert_rows * (dim + 2 * hidden / hidden_split) + local_pairs * dim) * itemsize
     collectives = []
     for m, c in enumerate(choices):
         if c != "experts":
             continue
-        ep = sizes[m]
-        buffer = ep * buffer_rows(local_pairs, ep, capacity_factor) * dim * itemsize
+        buffer = expert_rows * dim * itemsize
         counts = num_experts * _COUNT_BYTES
-        saved += 2 * buffer
         for direction, kind, nbytes in (("forward", "dispatch", buffer), ("forward", "counts", counts), ("forward", "combine", buffer),
                                         ("backward", "dispatch", buffer), ("backward", "combine", buffer)):
             collectives.append((direction, "all_to_all", nbytes, comm.collective("all_to_all", nbytes, m)))
