@@ -63,6 +63,13 @@ def collective_outputs() -> dict[str, str]:
         del out
         out = ops.wait_tensor(call())
         found[f"functional {name}"] = verdict(out, expected)
+    # DTensor's Shard -> Shard on a GPU mesh: an all-to-all into empty_like, not a functional collective;
+    # its fill is the rank's chunk repeated (what the CPU mesh's all-gather and chunk give)
+    del out
+    out = torch.full((WORLD * x.numel(),), SENTINEL, device="cuda")
+    del out
+    out = torch.ops._dtensor.shard_dim_alltoall(x, 0, 0, group)
+    found["dtensor shard_dim_alltoall"] = verdict(out, x[:4].repeat(WORLD))
     dist.destroy_process_group()
     return found
 

@@ -13,6 +13,14 @@ average over ranks holding the same data gives; torch 2.13's fake group does the
 repeats it (as both torch versions do), an all-to-all returns it (the rank's own tokens, in slots of
 the sizes asked for). Shapes, dtypes and one device copy per collective are what a real collective
 gives; values stay those of a training step.
+
+DTensor's Shard(i) -> Shard(j) on a GPU mesh is not a functional collective: it is
+`_dtensor.shard_dim_alltoall`, which allocates its output with `empty_like` and hands it to the
+process group's all-to-all, so on torch 2.11's fake group it returns stale memory. Auto-placed
+steps use it wherever the solver moves an activation from batch to hidden sharding; on a CPU mesh
+DTensor takes an all-gather and a chunk instead, which is why only the GPU runs went NaN. Its kernel
+here gives what that CPU path gives with the all-gather above: the rank's chunk along the shard
+dimension, repeated along the gather dimension, so the values of a fake step are the same on both.
 """
 
 from __future__ import annotations
@@ -22,15 +30,15 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 _KERNEL_KEYS = ("CPU", "CUDA")
-_library: torch.library.Library | None = None
+_libraries: list[torch.library.Library] = []
 
 
 def _rank_in(group_name: str) -> int:
     return dist.get_rank(_resolve_process_group(group_name))
 
 
-def _own_chunk(inp: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    return inp.chunk(group_size)[_rank_in(group_name)]
+def _own_chunk(inp: torch.Tensor, group_size: int, group_name: str, dim: int = 0) -> torch.Tensor:
+    return inp.chunk(group_size, dim)[_rank_in(group_name)]
 
 
 def _reduce_scatter(inp: torch.Tensor, reduce_op: str, group_size: int, group_name: str) -> torch.Tensor:
@@ -66,33 +74,41 @@ def _all_to_all(inp: torch.Tensor, output_split_sizes: list[int], input_split_si
     return inp.index_select(0, index) if inp.shape[0] else inp.new_zeros((rows, *inp.shape[1:]))
 
 
+def _shard_dim_alltoall(inp: torch.Tensor, gather_dim: int, shard_dim: int, group_name: str) -> torch.Tensor:
+    group_size = _resolve_process_group(group_name).size()
+    own = _own_chunk(inp, group_size, group_name, shard_dim)
+    return own.repeat(*[group_size if d == gather_dim else 1 for d in range(own.dim())])
+
+
 _KERNELS = {
-    "reduce_scatter_tensor": _reduce_scatter,
-    "reduce_scatter_tensor_out": _reduce_scatter_out,
-    "reduce_scatter_tensor_coalesced": _reduce_scatter_coalesced,
-    "all_gather_into_tensor": _all_gather,
-    "all_gather_into_tensor_out": _all_gather_out,
-    "all_gather_into_tensor_coalesced": _all_gather_coalesced,
-    "all_to_all_single": _all_to_all,
+    "_c10d_functional": {
+        "reduce_scatter_tensor": _reduce_scatter,
+        "reduce_scatter_tensor_out": _reduce_scatter_out,
+        "reduce_scatter_tensor_coalesced": _reduce_scatter_coalesced,
+        "all_gather_into_tensor": _all_gather,
+        "all_gather_into_tensor_out": _all_gather_out,
+        "all_gather_into_tensor_coalesced": _all_gather_coalesced,
+        "all_to_all_single": _all_to_all,
+    },
+    "_dtensor": {"shard_dim_alltoall": _shard_dim_alltoall},
 }
+"""Op namespace -> op name -> the kernel that fills its output."""
 
 
 def fill_collective_outputs() -> None:
-    """Give the functional collectives the kernels above (process-wide; idempotent). Only for a
-    process on the fake process group: a real collective must not be replaced."""
-    global _library
-    if _library is not None:
+    """Give the collectives the kernels above (process-wide; idempotent). Only for a process on
+    the fake process group: a real collective must not be replaced."""
+    if _libraries:
         return
-    library = torch.library.Library("_c10d_functional", "IMPL")
-    for name, kernel in _KERNELS.items():
-        for key in _KERNEL_KEYS:
-            library.impl(name, kernel, key)
-    _library = library
+    for namespace, kernels in _KERNELS.items():
+        library = torch.library.Library(namespace, "IMPL")
+        for name, kernel in kernels.items():
+            for key in _KERNEL_KEYS:
+                library.impl(name, kernel, key)
+        _libraries.append(library)
 
 
 def restore_collectives() -> None:
     """Undo `fill_collective_outputs` (before a real process group is made in this process)."""
-    global _library
-    if _library is not None:
-        _library._destroy()
-        _library = None
+    while _libraries:
+        _libraries.pop()._destroy()
