@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -85,27 +86,60 @@ def test_train_reuses_a_saved_plan(tmp_path):
     assert [round(x, 5) for x in losses(records)] == [round(x, 5) for x in losses(manual)]
 
 
+NORM_OPS = ["pow", "mean", "add_", "rsqrt", "mul", "mul"]
+"""The ops of an RMSNorm as traced (trace._rms_norm): x^2, its mean, + eps, rsqrt, x * rms, * weight."""
+
+
+def _solver_plan(flags: list[str]) -> dict:
+    """The built-in solver's plan for these flags, solved in this process on a fake process group that
+    is destroyed again (the test process keeps no process group)."""
+    import torch.distributed as dist
+
+    from graph_trainer.config import parse_args
+    from graph_trainer.plan import make_plan
+
+    try:
+        return make_plan(parse_args(flags))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _shard_norms_over_hidden(plan: dict, unit: str, hidden: list[str]) -> None:
+    """Edit every norm of the `unit` units ("norm", or "layers" for the blocks) into layout `hidden`:
+    the mesh dims holding "S2" shard the hidden dim, so the RMS `mean` is Partial("avg") there and is
+    reduced to Replicate for rsqrt; the norm weight is used replicated. The solver replicates the debug
+    model's norms, which is why tests edit them into the layout the 8B dp4 x tp2 plan chose."""
+    avg = ["Pavg" if p == "S2" else p for p in hidden]
+    rms = ["R" if p == "S2" else p for p in hidden]
+    weight = ["R"] * len(hidden)
+    layouts = [([hidden], [hidden]), ([hidden], [avg]), ([rms], [rms]), ([rms], [rms]), ([hidden, rms], [hidden]),
+               ([hidden, weight], [hidden])]
+    units = [u for u in plan["units"] if u["modules"][0].split(".")[0] == unit]
+    assert units, [u["modules"][0] for u in plan["units"]]
+    for u in units:
+        starts = [i for i, n in enumerate(u["nodes"]) if n["op"] == "pow"]
+        assert starts, [n["op"] for n in u["nodes"]]
+        for i in starts:
+            norm = u["nodes"][i : i + len(NORM_OPS)]
+            assert [n["op"] for n in norm] == NORM_OPS
+            for node, (ins, outs) in zip(norm, layouts):
+                node["ins"], node["outs"] = ins, outs
+        if u["modules"] == ["norm"]:
+            u["inputs"] = [hidden]
+
+
 @pytest.mark.slow
 def test_norm_sharded_over_its_hidden_dim_on_tp_trains(tmp_path):
     """The 8B dp4 x tp2 plan shards the norms' hidden dim on tp: the RMS `mean` is then Partial("avg"),
     redistributed to Replicate, and its gradient (through `x * rsqrt(...)`) arrives as a Partial sum,
     which DTensor could not send back to Partial("avg") (the H200 run failed tracing so). The debug
     model's plan replicates its norms, so the final norm is edited into that layout."""
-    from graph_trainer.config import parse_args
-    from graph_trainer.plan import make_plan
-
     flags = ["--config", "configs/llama3_debug.toml", "--model.n_layers", "1", "--parallelism.dp_shard", "1",
              "--parallelism.tp", "2", "--compile.mode", "aot_fx_trace"]
-    plan = make_plan(parse_args(flags))
+    plan = _solver_plan(flags)
     (tmp_path / "replicated.json").write_text(json.dumps(plan))
-    norm = next(u for u in plan["units"] if u["modules"] == ["norm"])
-    assert [n["op"] for n in norm["nodes"]] == ["pow", "mean", "add_", "rsqrt", "mul", "mul"]
-    hidden, rms = ["S2"], ["R"]
-    norm["inputs"] = [hidden]
-    layouts = [([hidden], [hidden]), ([hidden], [["Pavg"]]), ([rms], [rms]), ([rms], [rms]), ([hidden, rms], [hidden]),
-               ([hidden, rms], [hidden])]
-    for node, (ins, outs) in zip(norm["nodes"], layouts):
-        node["ins"], node["outs"] = ins, outs
+    _shard_norms_over_hidden(plan, "norm", ["S2"])
     (tmp_path / "hidden.json").write_text(json.dumps(plan))
     run = [*flags[2:], "--training.steps", "2", "--metrics.progress_bar", "false", "--compile.autoparallel"]
     hidden_run = run_train([*run, "--compile.autoparallel_plan", str(tmp_path / "hidden.json")], tmp_path / "h", nproc=2)
@@ -117,6 +151,28 @@ def test_norm_sharded_over_its_hidden_dim_on_tp_trains(tmp_path):
     assert len(losses(hidden_run)) == 2
     for h, r in zip(losses(hidden_run) + grad_norms(hidden_run), losses(replicated_run) + grad_norms(replicated_run)):
         assert h == pytest.approx(r, rel=1e-6), (hidden_run, replicated_run)
+
+
+def test_norms_sharded_over_hidden_on_dp_shard_x_tp_trace_and_train(tmp_path):
+    """The failing 8B dp4 x tp2 job in small: rank 0 of dp_shard 2 x tp 2 (fake communication), auto
+    placed, every second block recomputed in backward, and every norm's hidden dim sharded: the blocks'
+    over both mesh dims (the RMS Partial("avg") on both), the final norm's on tp beside the batch split
+    on dp_shard. Redistributing the RMS straight from Partial("avg") failed tracing the backward here
+    ("Redistribution from one partial type (P(sum)) to another (P(avg))", checked). Fake collectives
+    move no data, so the losses are held finite, not to the manual run's (test_auto_placed_training_
+    matches_manual and the slow test above compare with real collectives)."""
+    flags = ["--config", "configs/llama3_debug.toml", "--training.seq_len", "64", "--training.batch_size", "4",
+             "--parallelism.dp_shard", "2", "--parallelism.tp", "2", "--compile.mode", "aot_fx_trace"]
+    plan = _solver_plan(flags)
+    _shard_norms_over_hidden(plan, "layers", ["S2", "S2"])
+    _shard_norms_over_hidden(plan, "norm", ["S0", "S2"])
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    records = run_train([*flags[2:], "--training.steps", "2", "--metrics.progress_bar", "false", "--comm.mode", "fake",
+                         "--comm.fake_world_size", "4", "--activation_checkpoint.mode", "selective",
+                         "--activation_checkpoint.selective_ac_option", "2", "--compile.autoparallel",
+                         "--compile.autoparallel_plan", str(tmp_path / "plan.json")], tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(math.isfinite(x) for x in losses(records) + grad_norms(records)), records
 
 
 def _one_rank_error(args: list[str]) -> str:
