@@ -230,6 +230,9 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
         uses: dict[tuple[int, int], list[tuple[int, int, float]]] = defaultdict(list)
         by_key: dict[tuple[int, int], _Value] = {}
         n_p, n_b = len(unit.param_names), len(unit.buffer_names)
+        inputs = [n.name for n in unit.gm.graph.nodes if n.op == "placeholder"][n_p + n_b:]
+        kept = policy.keeps(unit.gm, unit.kept, {n for j, n in enumerate(inputs) if unit_requires_grad[(unit.kind, j)]},
+                            unit.modules) if policy else {}
         ph = 0
         for node in unit.gm.graph.nodes:
             if node.op == "placeholder":
@@ -252,10 +255,11 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
                 else:
                     j = ph - n_p - n_b
                     cands = candidate_specs(val.shape, sizes) if sizes else [()]
-                    # a recomputed block keeps its input for the recomputation
-                    kept = [kept_inputs * _nbytes(val) / shard_factor(c, sizes) for c in cands] if kept_inputs and _is_float(val) else None
+                    # a recomputed block keeps its input for the recomputation, the one it recomputes included
+                    copies = kept_inputs + (saved - (1 if kept_inputs else 0)) * kept.get(node.name, {}).get(0, 0.0)
+                    held = [copies * _nbytes(val) / shard_factor(c, sizes) for c in cands] if copies and _is_float(val) else None
                     ids[node.name] = b.add_node([Strategy((c,), (c,)) for c in cands], [0.0] * len(cands), (unit.kind, node.name),
-                                                kept, "activations")
+                                                held, "activations")
                     placeholders[(unit.kind, j)] = ids[node.name]
                     placeholder_bytes[(unit.kind, j)] = _nbytes(val)
                     grad = _nbytes(val) if unit_requires_grad[(unit.kind, j)] and _is_float(val) else None
@@ -302,9 +306,11 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
                         op_recomputed = policy is not None and needs_grad and policy.recomputes_op(unit.modules, bool(flops))
                         runs = mult + (recomputed / 3 if needs_grad else 0) + (mult / 2 if op_recomputed else 0)
                         costs = [runs * compute_time(flops, in_b, out_b, s, sizes, dtype, hw, needs_grad) for s in strategies]
-                        if needs_grad and saved and not op_recomputed:
-                            memory = [saved * sum(ob / shard_factor(o, sizes) for ob, o, v in zip(out_b, s.outs, out_vals) if _is_float(v))
-                                      for s in strategies]
+                    if saved and node.name in kept:
+                        outs = kept[node.name]
+                        memory = [saved * sum(ob * outs[pos] / shard_factor(o, sizes)
+                                              for ob, o, pos in zip(out_b, s.outs, tensor_outputs(node)) if pos in outs)
+                                  for s in strategies]
                 ids[node.name] = b.add_node(strategies, costs, (unit.kind, node.name), memory, memory_kind)
                 if inner is not None:
                     b.inner_comm[ids[node.name]] = inner

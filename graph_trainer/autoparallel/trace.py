@@ -26,9 +26,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask
 
 from ..config import ConfigError
-from ..models import drop_cudnn_attention, traceable_attention
+from ..models import drop_cudnn_attention, sdpa_wrappers, traceable_attention
 from .compat import current_trace_graph
 from .flex import is_batched, mask_tensors
+from .memory import Kept, autograd_keeps
 
 
 Position = int | str | tuple[int | str, int]
@@ -76,6 +77,8 @@ class UnitGraph:
     """Where each traced input sits in the call (see `call_tensors`)."""
     node_module: dict[str, str] = field(default_factory=dict)
     """Node name -> FQN of the innermost module that produced it (for messages)."""
+    kept: Kept = field(default_factory=dict)
+    """What autograd keeps of the forward for backward (memory.autograd_keeps)."""
 
 
 @dataclass
@@ -191,7 +194,8 @@ def _without_cudnn_attention(module: nn.Module) -> Iterator[None]:
 
 
 def _trace_unit(fqn: str, module: nn.Module, args: tuple, kwargs: dict, param_dtype: torch.dtype, mode: FakeTensorMode, kind: int,
-                device: torch.device) -> UnitGraph:
+                device: torch.device, differentiable: list[bool]) -> UnitGraph:
+    """`differentiable`: per tensor of the call (`call_tensors`), whether it is another unit's output."""
     param_names = [n for n, _ in module.named_parameters()]
     buffer_names = [n for n, _ in module.named_buffers()]
     with mode:
@@ -227,7 +231,11 @@ def _trace_unit(fqn: str, module: nn.Module, args: tuple, kwargs: dict, param_dt
         ) from None
     finally:
         timeline.close()
-    return UnitGraph(kind, [fqn], gm, param_names, buffer_names, len(tensors), positions, timeline.assign(gm))
+    node_module = timeline.assign(gm)
+    wrappers = sdpa_wrappers(module)
+    attention = {f"{fqn}.{n}" for n, m in module.named_modules() if any(m is w for w in wrappers)}
+    kept = autograd_keeps(gm, n_p, n_b, differentiable, node_module, attention)
+    return UnitGraph(kind, [fqn], gm, param_names, buffer_names, len(tensors), positions, node_module, kept)
 
 
 def trace_model(model: nn.Module, inputs_shape: tuple[int, ...], param_dtype: torch.dtype, device: torch.device) -> ModelTrace:
@@ -275,7 +283,8 @@ def trace_model(model: nn.Module, inputs_shape: tuple[int, ...], param_dtype: to
                 keys[key] = len(graphs)
                 recording = module.__dict__.pop("forward")
                 try:
-                    graphs.append(_trace_unit(fqn, module, args, kwargs, param_dtype, mode, len(graphs), device))
+                    graphs.append(_trace_unit(fqn, module, args, kwargs, param_dtype, mode, len(graphs), device,
+                                              [s.kind == "unit" for s in srcs]))
                 finally:
                     module.forward = recording
             else:
