@@ -144,7 +144,11 @@ def suite_h100(steps: int) -> list[Run]:
         _gt("gt aot_fx_trace meta-placed", "meta", one_b, trace + META_PLACED),
         _gt("gt aot_fx_trace full meta-placed", "meta", one_b, full + META_PLACED),
         Run("gt aot_fx_trace full", "gt", 1, eight_b_fake + full, group="meta 8B dp8 fake", torchrun=False),
-        Run("gt aot_fx_trace full meta-placed", "gt", 1, eight_b_fake + full + META_PLACED, group="meta 8B dp8 fake", torchrun=False),
+        # Meta's placed forward is its own graph, which block AC never reaches: both sides under the memory policy
+        Run("gt full + memory_budget 45GiB", "gt", 1, eight_b_fake + full + MEMORY_BUDGET + ["45GiB"], group="meta 8B dp8 fake",
+            torchrun=False),
+        Run("gt full meta-placed + memory_budget 45GiB", "gt", 1, eight_b_fake + full + META_PLACED + MEMORY_BUDGET + ["45GiB"],
+            group="meta 8B dp8 fake", torchrun=False),
     ]
 
 

@@ -270,6 +270,13 @@ def check_autoparallel(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> No
                               "add --model.attention sdpa, or use --compile.autoparallel_impl builtin")
         if c.autoparallel_plan:
             raise ConfigError("compile.autoparallel_plan holds a plan of the built-in solver; drop it or use --compile.autoparallel_impl builtin")
+        ac = cfg.activation_checkpoint.mode
+        if ac in ("full", "selective"):
+            # Meta's placed module runs its own forward graph: the per-block checkpoint wrappers are never called
+            # (the 8B dp8 run with selective AC kept every activation: 53.0 GiB, 1.11x the manual step)
+            raise ConfigError(f"--activation_checkpoint.mode {ac} never reaches the forward graph Meta's placer runs: use "
+                              "--activation_checkpoint.mode memory_budget (decided on the traced step) or none, or "
+                              "--compile.autoparallel_impl builtin")
     from .autoparallel.entry import EP_DIM, check_plan_file
 
     ep, dp_shard = degrees[3], degrees[1]

@@ -140,6 +140,18 @@ def test_plan_against_another_solver_is_refused_in_one_line(tmp_path):
     assert lines == ["graph-trainer: error: --against 'alpa': the only solver to compare with is meta (Meta's AutoParallel): --against meta"]
 
 
+@needs_meta
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_block_activation_checkpointing_is_refused_in_one_line(tmp_path, mode):
+    """Meta's placed forward never calls the per-block checkpoint wrappers: training would keep every activation."""
+    proc = launch(["train", *META, "--compile.mode", "aot_fx_trace", "--comm.mode", "fake", "--comm.fake_world_size", "2",
+                   "--parallelism.dp_shard", "2", "--activation_checkpoint.mode", mode, "--job.dump_folder", str(tmp_path), *SMALL])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"graph-trainer: error: --activation_checkpoint.mode {mode} never reaches the forward graph Meta's placer runs: use "
+        "--activation_checkpoint.mode memory_budget (decided on the traced step) or none, or --compile.autoparallel_impl builtin"]
+
+
 def test_grouped_query_attention_is_counted_with_kv_broadcast_where_torch_refuses_it(monkeypatch):
     """torch 2.11 (the GPU machine) asserts equal head counts in its SDPA FLOP formulas; CUDA SDPA gets
     llama3's 8 k/v heads beside 32 query heads, which stopped Meta's cost model there. Stand in torch
