@@ -44,7 +44,7 @@ from .profiling import StepProfiler
 from .prediction import write_prediction
 from .parallel import apply_activation_checkpointing
 from .parallel.compat import init_fake_process_group
-from .parallel.fake_data import fill_collective_outputs, restore_collectives
+from .parallel.fake_data import fill_collective_outputs, restore_collectives, tokens_in_vocab_shard
 from .parallel.materialize import materialize
 from .parallel.mesh import Meshes, build_meshes, device_type, resolve_degrees
 from .parallel.simple_fsdp import MixedPrecision
@@ -201,6 +201,8 @@ class GraphTrainer:
             models.drop_cudnn_attention(self.model)
         annotate_regions(self.model)
         materialize(self.model, reference, self.device, t.seed)
+        # the stored parameter: reading the module attribute would gather it (SimpleFSDP)
+        self.embedding_weight = dict(self.model.named_parameters())["tok_embeddings.weight"]
         apply_activation_checkpointing(self.model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option, cfg.compile.mode)
         self.nparams, self.flops_per_token = models.nparams_and_flops_per_token(args, reference, t.seq_len)
         self.optimizers, self.lr_schedulers = build_optimizer(self.model, cfg, self.device, t.steps)
@@ -261,6 +263,9 @@ class GraphTrainer:
                                           self.local_batch, self.cfg.training.seq_len, self.model.model_args.vocab_size)
         else:
             inputs, labels = self.loader.next_batch()
+        if self.fake:
+            # the fake reduce-scatter of a vocab-parallel embedding fills only this rank's rows (fake_data)
+            inputs = tokens_in_vocab_shard(inputs, self.embedding_weight)
         return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
     def train_step(self) -> tuple[float, float, dict]:

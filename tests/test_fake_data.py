@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graph_trainer.parallel import fake_data
 from graph_trainer.parallel.compat import init_fake_process_group
@@ -88,6 +88,31 @@ def test_dtensor_shard_to_shard_of_a_gpu_mesh_gives_what_the_cpu_mesh_gives(fake
     own = x[:, :, RANK * 4 : RANK * 4 + 4]
     assert torch.equal(on_cpu_mesh, own.repeat(WORLD, 1, 1))
     assert torch.equal(on_gpu_path, on_cpu_mesh)
+
+
+def test_vocab_parallel_embedding_gives_the_real_rows_once_tokens_are_in_the_rank_shard(fake_group):
+    """TP's vocab-parallel embedding zeroes the rows of tokens outside the rank's vocabulary shard and
+    a real reduce-scatter over `tp` fills them from the rank that holds them; the fake one keeps them
+    zero (at llama3 8B sizes the gradients then overflow to NaN). With the tokens moved into the
+    rank's shard, the looked-up rows are, bitwise, those of the full embedding table."""
+    fake_data.fill_collective_outputs()
+    mesh = DeviceMesh("cpu", list(range(WORLD)), mesh_dim_names=("tp",))
+    table = torch.randn(30, 4)  # 30 rows over 4 ranks: 8, 8, 8, 6, so rank 2 holds rows 16 to 23
+    weight = DTensor.from_local(table[16:24], mesh, [Shard(0)], run_check=False, shape=table.shape, stride=table.stride())
+    tokens = (torch.arange(8 * WORLD) * 7 % 30).view(2, 4 * WORLD)  # this rank's positions hold rows 26, 3, 10, 17 and 18, 25, 2, 9
+
+    def looked_up(t: torch.Tensor) -> torch.Tensor:
+        ids = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+        return torch.nn.functional.embedding(ids, weight).redistribute(mesh, [Shard(1)]).to_local()
+
+    zero_rows = (looked_up(tokens) == 0).all(-1)
+    assert zero_rows.any() and not zero_rows.all()
+    moved = fake_data.tokens_in_vocab_shard(tokens, weight)
+    assert bool(((moved >= 16) & (moved < 24)).all())
+    assert torch.equal(looked_up(moved), table[moved].chunk(WORLD, 1)[RANK])
+    # another layout (replicated, or no DTensor) keeps the tokens
+    assert torch.equal(fake_data.tokens_in_vocab_shard(tokens, DTensor.from_local(table, mesh, [Replicate()], run_check=False)), tokens)
+    assert torch.equal(fake_data.tokens_in_vocab_shard(tokens, table), tokens)
 
 
 def test_restore_gives_torch_its_kernels_back(fake_group):

@@ -21,6 +21,19 @@ steps use it wherever the solver moves an activation from batch to hidden shardi
 DTensor takes an all-gather and a chunk instead, which is why only the GPU runs went NaN. Its kernel
 here gives what that CPU path gives with the all-gather above: the rank's chunk along the shard
 dimension, repeated along the gather dimension, so the values of a fake step are the same on both.
+
+A reduce-scatter of partial sums that are not alike on every rank is the one place where "the rank's
+own data" is not what a real collective gives: the vocab-parallel embedding of tensor parallelism
+(DTensor's `_MaskPartial`) zeroes the rows of tokens outside the rank's vocabulary shard and lets the
+sum over `tp` fill them from the rank that holds them. On the fake group those rows stay zero, the
+residual stream of half the tokens starts at zero, and every RMSNorm's backward scales their gradient
+by about 1/sqrt(eps) while the residual stays small: measured on CPU (fake dp_shard 4 x tp 2), the
+step-1 gradient norm grows about 100x a layer back through llama3 8B's dimensions and reaches inf at
+32 layers of the debug model; the 8B dp_shard 4 x tp 2 fake runs went NaN on the GPU. torchtitan's fake
+tp run has the same zero rows and stays finite, we infer because FSDP2 reduce-scatters its gradients
+through the process group, whose stale output, not these gradients, reaches its weights. So a fake
+step's input tokens are moved into the rows the rank holds (`tokens_in_vocab_shard`): every embedding
+row is then what the real reduce-scatter returns, bitwise.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor, Shard
 
 _KERNEL_KEYS = ("CPU", "CUDA")
 _libraries: list[torch.library.Library] = []
@@ -93,6 +107,21 @@ _KERNELS = {
     "_dtensor": {"shard_dim_alltoall": _shard_dim_alltoall},
 }
 """Op namespace -> op name -> the kernel that fills its output."""
+
+
+def tokens_in_vocab_shard(tokens: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
+    """`tokens` moved into the vocabulary rows this rank holds of an embedding weight sharded by rows
+    on `tp` (token % held rows + first held row); unchanged for any other layout."""
+    if not isinstance(embedding_weight, DTensor):
+        return tokens
+    mesh = embedding_weight.device_mesh
+    for mesh_dim, (name, placement) in enumerate(zip(mesh.mesh_dim_names, embedding_weight.placements)):
+        if name == "tp" and placement == Shard(0):
+            shards, shard = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+            rows, first = Shard.local_shard_size_and_offset(embedding_weight.shape[0], shards, shard)
+            # a rank past the end of an uneven split holds no row: no token can be its own there
+            return tokens % rows + first if rows else tokens
+    return tokens
 
 
 def fill_collective_outputs() -> None:
