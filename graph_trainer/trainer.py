@@ -202,7 +202,7 @@ class GraphTrainer:
         annotate_regions(self.model)
         materialize(self.model, reference, self.device, t.seed)
         # the stored parameter: reading the module attribute would gather it (SimpleFSDP)
-        self.embedding_weight = dict(self.model.named_parameters())["tok_embeddings.weight"]
+        self.embedding_weight = dict(self.model.named_parameters()).get("tok_embeddings.weight") if self.fake else None
         apply_activation_checkpointing(self.model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option, cfg.compile.mode)
         self.nparams, self.flops_per_token = models.nparams_and_flops_per_token(args, reference, t.seq_len)
         self.optimizers, self.lr_schedulers = build_optimizer(self.model, cfg, self.device, t.steps)
@@ -263,7 +263,7 @@ class GraphTrainer:
                                           self.local_batch, self.cfg.training.seq_len, self.model.model_args.vocab_size)
         else:
             inputs, labels = self.loader.next_batch()
-        if self.fake:
+        if self.embedding_weight is not None:
             # the fake reduce-scatter of a vocab-parallel embedding fills only this rank's rows (fake_data)
             inputs = tokens_in_vocab_shard(inputs, self.embedding_weight)
         return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
