@@ -220,3 +220,30 @@ def test_meta_autoparallel_places_llama_on_two_ranks():
     assert set(params) == names and all(isinstance(p, DTensor) for p in params.values())
     sharded = sum(p.numel() for p in params.values() if p.placements[0].is_shard())
     assert sharded > 0.8 * sum(p.numel() for p in params.values())
+
+
+def test_cuda_flash_attention_is_sharded_over_batch_and_heads_not_replicated():
+    """CUDA flash attention (the op an 8B job traces on the GPU) returns a 0-dim RNG offset that DTensor's
+    strategy gives no spec for; on torch 2.11 that skipped every strategy and the solver replicated the op
+    over dp_shard 8 (each rank computing attention for the global batch: 2.5x the step). GQA heads too."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graph_trainer.autoparallel.strategies import StrategyEnumerator, candidate_specs, tensor_args
+    from graph_trainer.parallel.compat import init_fake_process_group
+
+    def attention(q, k, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, True, scale=0.125)
+
+    init_fake_process_group(8)
+    try:
+        mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+        q, kv = torch.randn(8, 32, 64, 64, dtype=torch.bfloat16), torch.randn(8, 8, 64, 64, dtype=torch.bfloat16)
+        gm = make_fx(attention, tracing_mode="fake")(q, kv, kv)
+        node = next(n for n in gm.graph.nodes if n.op == "call_function")
+        found = StrategyEnumerator(mesh, (8,)).enumerate(node, [candidate_specs(a.meta["val"].shape, (8,)) for a in tensor_args(node)])
+    finally:
+        dist.destroy_process_group()
+    assert not found.fallback
+    assert {s.ins for s in found.strategies} == {(("R",),) * 3, (("S0",),) * 3, (("S1",),) * 3}

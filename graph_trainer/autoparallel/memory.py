@@ -141,7 +141,7 @@ def autograd_keeps(gm: fx.GraphModule, n_params: int, n_buffers: int, differenti
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     n_state = n_params + n_buffers
     with mode:
-        args = [torch.empty_strided(p.meta["val"].shape, p.meta["val"].stride(), dtype=p.meta["val"].dtype,
+        args = [torch.empty_strided(p.meta["val"].shape, p.meta["val"].stride(), dtype=p.meta["val"].dtype, device=p.meta["val"].device,
                                     requires_grad=g and p.meta["val"].is_floating_point())
                 for p, g in zip(placeholders, [True] * n_params + [False] * n_buffers + list(differentiable))]
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

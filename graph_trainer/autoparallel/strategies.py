@@ -201,7 +201,11 @@ class StrategyEnumerator:
                 if len(out_list) == 1 and len(outs) > 1:
                     out_list = out_list * len(outs)
                 if isinstance(val, (tuple, list)) and len(out_list) == len(val):
-                    out_list = [out_list[i] for i in outs]
+                    # DTensor gives no spec for an output it does not track: CUDA flash attention's 0-dim RNG
+                    # offset on torch 2.11 (its seed is replicated); without one, every strategy was skipped and
+                    # the op replicated over data parallelism (attention for the whole global batch per rank)
+                    rep = ("R",) * len(self.sizes)
+                    out_list = [self._dspec(rep, val[i]) if out_list[i] is None and val[i].dim() == 0 else out_list[i] for i in outs]
                 in_list = op_spec.input_specs if op_spec.input_specs is not None else [out_list[0]] * len(args)
                 if len(out_list) != len(outs) or len(in_list) != len(args) or any(s is None for s in out_list):
                     continue
