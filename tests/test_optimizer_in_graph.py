@@ -75,6 +75,16 @@ def test_graph_updates_parameters_and_moments_in_place_and_returns_loss_and_norm
     assert len([o for o in outputs if o.strip()]) == 2
 
 
+@pytest.mark.slow
+def test_step_scalars_are_traced_once_not_per_parameter(reference):
+    """The bias corrections (beta1 ** step, beta2 ** step) and the step size's cast to the parameter
+    dtype appear once in the graph; traced per parameter they were N_PARAMS times each, ten nodes a
+    parameter that every compile stage paid for."""
+    code = (reference(IN_GRAPH) / "graphs" / "00_traced.py").read_text()
+    assert len(re.findall(r"aten\.pow\.Scalar\(", code)) == 2
+    assert len(re.findall(r"aten\._to_copy\.default\(", code)) == 1
+
+
 def resume(saved_by: Path, tmp_path: Path, how: tuple[str, ...]) -> list[dict]:
     folder = tmp_path / "resumed"
     shutil.copytree(saved_by, folder)
