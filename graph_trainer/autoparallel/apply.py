@@ -268,7 +268,12 @@ class UnitRunner:
             out = F.scaled_dot_product_attention(q.to_local(), k.to_local(), v.to_local(), dropout_p=named.get("dropout_p", 0.0),
                                                  is_causal=named.get("is_causal", False), scale=named.get("scale"),
                                                  enable_gqa=q.shape[1] != k.shape[1])
-        return (self._wrap(_in_layout_of(out, node.meta["val"][0]), q.placements),) + (None,) * (len(node.meta["val"]) - 1)
+        traced = node.meta["val"][0]
+        # Global shape and strides given, not derived from the shard: a rank's batch of one may carry any
+        # stride on that size-one dimension (q's, 256 on CPU with bf16), from which DTensor would infer a
+        # global layout with the batch inside the sequence and refuse the traced `view` after it.
+        return (DTensor.from_local(_in_layout_of(out, traced), self.mesh, q.placements, run_check=False,
+                                   shape=traced.shape, stride=traced.stride()),) + (None,) * (len(node.meta["val"]) - 1)
 
     def _run_local(self, node: fx.Node, args: Any, kwargs: Any) -> Any:
         """The fallback: every input replicated, the op runs on whole local tensors."""
