@@ -85,6 +85,8 @@ class Optimizer:
     """Adam epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay."""
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    """The update's kernels (torch.optim): "auto" is fused on GPU, foreach on CPU."""
 
 
 @dataclass

@@ -155,7 +155,9 @@ def build_optimizer(model: torch.nn.Module, cfg: JobConfig, device: torch.device
     from torchtitan.config import Optimizer as TitanOpt
 
     o, s = cfg.optimizer, cfg.lr_scheduler
-    implementation = "fused" if device.type == "cuda" else "foreach"
+    implementation = o.implementation
+    if implementation == "auto":
+        implementation = "fused" if device.type == "cuda" else "foreach"
     opt_cfg = TitanOpt(name=o.name, lr=o.lr, eps=o.eps, weight_decay=o.weight_decay, implementation=implementation)
     optimizers = build_optimizers([model], opt_cfg, None)
     decay_ratio = s.decay_ratio if s.decay_ratio >= 0 else None

@@ -77,6 +77,28 @@ class _AvgAsSum(torch.autograd.Function):
         return (grad if reduced == tuple(grad.placements) else grad.redistribute(grad.device_mesh, reduced)), None
 
 
+class _GradInParamLayout(torch.autograd.Function):
+    """Identity forward on a parameter; backward gives its gradient's local shard the memory order of the
+    parameter's. The reduction to a parameter's layout returns the producer's order: a weight read
+    transposed (`x @ w.t()`) and stored Shard(1) gets a column-major local gradient, while the DTensor
+    around it claims row-major strides, so autograd accumulates it as it is. A fused optimizer then
+    fails on GPU (the multi-tensor kernel needs param and grad strides equal) and on CPU silently
+    applies the transposed update."""
+
+    @staticmethod
+    def forward(ctx, param: DTensor) -> DTensor:  # type: ignore[override]
+        ctx.local = param.to_local()
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> DTensor:  # type: ignore[override]
+        local = grad.to_local()
+        ordered = _in_layout_of(local, ctx.local)
+        if ordered is local:
+            return grad
+        return DTensor.from_local(ordered, grad.device_mesh, grad.placements, run_check=False, shape=grad.shape, stride=grad.stride())
+
+
 class UnitRunner:
     """Runs one unit's traced forward graph over DTensors, following the plan's per-op layouts."""
 
@@ -126,7 +148,7 @@ class UnitRunner:
         n_p, n_b = len(unit.param_names), len(unit.buffer_names)
         for name, ph in zip(unit.param_names, phs[:n_p]):
             owner_name, _, short = name.rpartition(".")
-            env[ph.name] = (module.get_submodule(owner_name) if owner_name else module)._parameters[short]
+            env[ph.name] = _GradInParamLayout.apply((module.get_submodule(owner_name) if owner_name else module)._parameters[short])
             is_param.add(ph.name)
         for name, ph in zip(unit.buffer_names, phs[n_p : n_p + n_b]):
             b = module.get_buffer(name)
@@ -246,7 +268,12 @@ class UnitRunner:
             out = F.scaled_dot_product_attention(q.to_local(), k.to_local(), v.to_local(), dropout_p=named.get("dropout_p", 0.0),
                                                  is_causal=named.get("is_causal", False), scale=named.get("scale"),
                                                  enable_gqa=q.shape[1] != k.shape[1])
-        return (self._wrap(_in_layout_of(out, node.meta["val"][0]), q.placements),) + (None,) * (len(node.meta["val"]) - 1)
+        traced = node.meta["val"][0]
+        # Global shape and strides given, not derived from the shard: a rank's batch of one may carry any
+        # stride on that size-one dimension (q's, 256 on CPU with bf16), from which DTensor would infer a
+        # global layout with the batch inside the sequence and refuse the traced `view` after it.
+        return (DTensor.from_local(_in_layout_of(out, traced), self.mesh, q.placements, run_check=False,
+                                   shape=traced.shape, stride=traced.stride()),) + (None,) * (len(node.meta["val"]) - 1)
 
     def _run_local(self, node: fx.Node, args: Any, kwargs: Any) -> Any:
         """The fallback: every input replicated, the op runs on whole local tensors."""
