@@ -257,8 +257,8 @@ def suite_scale(steps: int) -> list[Run]:
             runs.append(Run("gt full + optimizer_in_graph + fused loss", "gt", 1, base + levers, group=group, torchrun=False,
                             profile=True))
         if model == "deepseek_v3":
-            # eager keeps every unfused intermediate; the caching allocator's fixed segments then leave it short
-            # of memory at step 2 (144.4 GiB asked of 139.8) where Inductor's fused step peaks at 122.9 GiB
+            # eager keeps the unfused intermediates and runs out of memory at step 2 (144.4 GiB asked of 139.8) where
+            # Inductor's fused step peaks at 122.9 GiB; expandable segments, to rule out fragmentation, still asked 139.8
             runs.append(Run("gt eager expandable segments", "gt", 1, base + ["--compile.mode", "eager"], group=group,
                             env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, torchrun=False))
         if group == "8B dp8":
