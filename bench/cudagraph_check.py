@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from graph_trainer.compare import free_port
+from graph_trainer.compare import torchrun
 from graph_trainer.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,8 +33,7 @@ def train(folder: Path, args: list[str], nproc: int, timeout: int) -> tuple[list
     """Run one training job; return its metrics records and its wall time."""
     cmd = [sys.executable, "-m", "graph_trainer", "train"]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), "-m", "graph_trainer", "train"]
+        cmd = [*torchrun(nproc), "-m", "graph_trainer", "train"]
     cmd += ["--job.dump_folder", str(folder), "--metrics.progress_bar", "false", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from graph_trainer.compare import free_port
+from graph_trainer.compare import torchrun
 from graph_trainer.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -314,9 +314,7 @@ def _profiling_args(run: Run) -> list[str]:
 
 
 def _command(run: Run, dump: Path) -> list[str]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(run.nproc), "--master-port", str(free_port())]
-    if not run.torchrun:
-        launcher = [sys.executable]
+    launcher = torchrun(run.nproc) if run.torchrun else [sys.executable]
     if run.trainer == "gt":
         return launcher + ["-m", "graph_trainer", "train", "--job.dump_folder", str(dump), *run.args, *_profiling_args(run)]
     return launcher + ["-m", "torchtitan.train", "--job.dump_folder", str(dump), *run.args]

@@ -29,7 +29,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -164,10 +163,10 @@ def check_inputs(argv: list[str]) -> CompareJob:
     return CompareJob(runs, configs, options.nproc, options.steps, options.warmup, out, common_args)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def torchrun(nproc: int) -> list[str]:
+    """torchrun on this host. `--standalone` lets its store bind port 0 and hands that port to the
+    ranks: a port picked free beforehand can be taken by a concurrent job before torchrun binds it."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
 
 
 def run_folder(out: Path, index: int, run: RunSpec) -> Path:
@@ -176,8 +175,7 @@ def run_folder(out: Path, index: int, run: RunSpec) -> Path:
 
 def train_command(job: CompareJob, run: RunSpec, folder: Path) -> list[str]:
     # The run's own flags come last: they win over the config file.
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(job.nproc), "--master-port", str(free_port()),
-            "-m", "graph_trainer", "train", *job.common_args, *run.train_flags(), "--training.steps", str(job.steps),
+    return [*torchrun(job.nproc), "-m", "graph_trainer", "train", *job.common_args, *run.train_flags(), "--training.steps", str(job.steps),
             "--job.dump_folder", str(folder), "--compile.dump_graphs", "--metrics.log_freq", "1"]
 
 

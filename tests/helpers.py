@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from graph_trainer.compare import free_port
+from graph_trainer.compare import torchrun
 from graph_trainer.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 900
+
+
+def free_port() -> int:
+    """For ranks started without torchrun, which need a MASTER_PORT up front."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -27,8 +35,7 @@ def launch(args: list[str], nproc: int = 1, timeout: int = TIMEOUT_S, env: dict[
     if nproc == 1:
         cmd = [sys.executable, *program, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), *program, *args]
+        cmd = [*torchrun(nproc), *program, *args]
     return subprocess.run(cmd, cwd=REPO, env=env or child_env(), capture_output=True, text=True, timeout=timeout)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from graph_trainer.compare import torchrun
 from helpers import REPO, child_env, free_port, launch, losses, read_metrics, run_train
 
 from graph_trainer.checkpoint import complete_checkpoints
@@ -142,7 +143,7 @@ def test_killed_rank_makes_the_others_exit_within_the_timeout(launcher, tmp_path
                       "--comm.timeout_seconds", str(timeout_s))
     fault = {"GRAPH_TRAINER_SIGNAL_AT_STEP": "2:SIGKILL:1"}
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "graph_trainer", *args]
+        cmd = [*torchrun(2), "-m", "graph_trainer", *args]
         ranks = [Watched(cmd, child_env(**fault), "step:    1 ")]
     else:
         ranks = launch_ranks(args, 2, **fault)
@@ -182,7 +183,7 @@ def test_sigterm_to_torchrun_saves_before_the_workers_exit(tmp_path, data):
     folder = tmp_path / "run"
     args = train_args(folder, data, "--training.steps", "50", "--parallelism.dp_shard", "2",
                       "--checkpoint.enable", "--checkpoint.interval", "100")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "graph_trainer", *args]
+    cmd = [*torchrun(2), "-m", "graph_trainer", *args]
     run = Watched(cmd, child_env(), "step:    2 ")
     try:
         while run.marker_time is None and run.proc.poll() is None:

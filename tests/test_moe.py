@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_trainer import trainer
-from graph_trainer.compare import free_port
+from graph_trainer.compare import torchrun
 from graph_trainer.config import parse_args
 from graph_trainer.parallel import expert_parallel
 from graph_trainer.parallel.moe_dispatch import DispatchPlan, dispatch_and_combine
@@ -276,8 +276,7 @@ def test_expert_parallel_drops_counted_over_ranks_and_traced_equals_eager(tmp_pa
             "--parallelism.moe_capacity_factor", "1.0"]
     records = {}
     for mode, record_dir in (("eager", str(tmp_path / "calls")), ("aot_fx_trace", "-")):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-               str(REPO / "tests" / "moe_skew.py"), record_dir, "train", "--job.dump_folder", str(tmp_path / mode), *args,
+        cmd = [*torchrun(2), str(REPO / "tests" / "moe_skew.py"), record_dir, "train", "--job.dump_folder", str(tmp_path / mode), *args,
                "--compile.mode", mode]
         proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
