@@ -4,6 +4,10 @@ tool, the bucketing tests and the solver report read.
 A summary entry per stage: node count, and for each collective kind its count and bytes (the size of
 the tensor each rank holds after the collective: the gathered tensor for all-gather, the shard for
 reduce-scatter), and how many of them carry more than one tensor (buckets).
+
+The table of collective ops below is the one place ops are recognised as collectives: the summaries,
+the cost model (passes/cost_model.py), the step estimate and the passes that keep collectives out of
+compiled regions or recomputation all ask `collective_kind` / `is_collective`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from typing import Any
 import torch
 from torch import fx
 
+_FUNCTIONAL = ("_c10d_functional", "c10d_functional")
+"""Namespaces of torch's functional collectives (each paired with a `wait_tensor`)."""
+
 _COLLECTIVES = {
     "all_gather_into_tensor": "all_gather",
     "all_gather_into_tensor_out": "all_gather",
@@ -25,18 +32,32 @@ _COLLECTIVES = {
     "all_to_all_single": "all_to_all",
     "all_gather_into_tensor_coalesced": "all_gather",
     "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    # DTensor's Shard(i) -> Shard(j) on a GPU mesh: an all-to-all that returns its result directly
+    # (no wait node); its arguments end with the group name like the functional ones'.
+    "shard_dim_alltoall": "all_to_all",
 }
+"""Op name -> collective kind, for ops of `_FUNCTIONAL` and of `_dtensor`."""
 
 BUCKET_META = "bucket_size"
 """node.meta key a bucketing pass sets on a collective: how many tensors it carries."""
 
 
-def collective_kind(node: fx.Node) -> str | None:
+def _namespace(node: fx.Node) -> str | None:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return None
-    if node.target.namespace not in ("_c10d_functional", "c10d_functional"):
+    return node.target.namespace
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    if _namespace(node) not in (*_FUNCTIONAL, "_dtensor"):
         return None
     return _COLLECTIVES.get(node.target._opname)
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A collective or a functional collective's wait: what stays out of compiled regions and is
+    never recomputed."""
+    return _namespace(node) in _FUNCTIONAL or collective_kind(node) is not None
 
 
 def nbytes(val: Any) -> int:

@@ -195,3 +195,27 @@ def test_grouped_query_attention_kernels_count_the_registrys_flops(monkeypatch):
     assert reference == 4 * 2 * 32 * 1024 * 1024 * 128
     assert node_flops(fwd) == reference
     assert node_flops(bwd) == reference * 5 // 2
+
+
+def test_dtensors_shard_to_shard_all_to_all_is_counted_and_priced_as_an_all_to_all(fake_pg):
+    """DTensor's Shard(i) -> Shard(j) on a GPU mesh is `_dtensor.shard_dim_alltoall`, which returns its
+    result with no wait node. The graph summary counts it as an all-to-all of its output's bytes, the
+    passes treat it as a collective (kept out of compiled regions and recomputation), and the cost
+    model prices it as a blocking all-to-all of the bytes it sends over its group's link."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graph_trainer.graph_dump import is_collective, summarize
+    from graph_trainer.passes.cost_model import Link
+
+    x = torch.empty(4, 3, 16, dtype=torch.bfloat16)
+    gm = make_fx(lambda t: torch.ops._dtensor.shard_dim_alltoall(t, 0, 2, fake_pg) * 2, tracing_mode="fake")(x)
+    (node,) = gm.graph.find_nodes(op="call_function", target=torch.ops._dtensor.shard_dim_alltoall.default)
+    # 2 ranks: dim 0 gathered (4 -> 8), dim 2 sharded (16 -> 8); 4 * 3 * 16 bf16 elements in and out
+    assert node.meta["val"].shape == (8, 3, 8)
+    assert summarize(gm)["collectives"] == {"all_to_all": {"count": 1, "bytes": 384, "buckets": 0}}
+    assert is_collective(node) and not is_collective(next(iter(node.users)))
+    hw = hardware.H100
+    model = CostModel(hw, {fake_pg: Link(2, inter_host=True)})
+    # one ring step over InfiniBand: its latency, and half the 384 bytes at 40 GB/s; then the launch floor
+    assert hardware.ring_collective_s("all_to_all", 384, 2, 40e9, 20e-6) == 20e-6 + 0.5 * 384 / 40e9
+    assert model.node_time(node) == hardware.ring_collective_s("all_to_all", 384, 2, 40e9, 20e-6) + hw.launch_s

@@ -14,6 +14,7 @@ from torch import fx
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..graph_dump import is_collective
 from ..regions import REGION_KEY
 from .compat import (
     FakeTensorMode,
@@ -163,11 +164,6 @@ def _compile_whole(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
     return Compiled(lambda *args: compiled(*[args[i] for i in kept]), gm)
 
 
-def _is_collective(node: fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target.namespace in ("_c10d_functional", "c10d_functional")
-
-
 def _without_mark(node: fx.Node) -> None:
     custom = node.meta.get("custom")
     if custom and REGION_KEY in custom:
@@ -199,7 +195,7 @@ def regional_inductor_pass(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
     for node in gm.graph.nodes:
         custom = node.meta.get("custom")
         if custom and REGION_KEY in custom:
-            if _is_collective(node):
+            if is_collective(node):
                 _without_mark(node)
             else:
                 marked += 1

@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from ..graph_dump import nbytes
+from ..graph_dump import is_collective, nbytes
 from ..hardware import select
 from ..parallel import BLOCK_KEY, OP_SAC_SAVE_LIST
 from ..units import GiB, parse_memory_budget
@@ -94,11 +94,6 @@ def _argument(node: fx.Node, name: str) -> Any:
     return None
 
 
-def _is_collective(node: fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target.namespace in ("_c10d_functional", "c10d_functional")
-
-
 class Activations:
     """What the train-step graph keeps across the loss, and what could be recomputed instead.
 
@@ -131,7 +126,7 @@ class Activations:
         target = node.target
         if target is operator.getitem:
             return True
-        if not isinstance(target, torch._ops.OpOverload) or _is_collective(node) or _mutates(node):
+        if not isinstance(target, torch._ops.OpOverload) or is_collective(node) or _mutates(node):
             return False
         if torch.Tag.nondeterministic_seeded in target.tags and _argument(node, "dropout_p") != 0:
             return False
