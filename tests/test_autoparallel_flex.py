@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from graph_trainer.autoparallel import flex
 from graph_trainer.autoparallel.strategies import Strategy
 from graph_trainer.autoparallel.trace import trace_model
 from graph_trainer.metrics import read_metrics
-from helpers import grad_norms, launch, losses, run_train
+from helpers import REPO, child_env, grad_norms, launch, losses, run_train
 
 FLEX = ["--model.flavor", "debugmodel_flex_attn", "--model.n_layers", "2", "--training.seq_len", "128",
         "--training.batch_size", "4", "--metrics.progress_bar", "false", "--compile.mode", "aot_fx_trace",
@@ -156,3 +158,56 @@ def test_fake_comm_run_places_deepseek_flex_on_four_ranks(tmp_path):
     attention = [n for u in plan["units"] for n in u["nodes"] if n["op"] == "flex_attention"]
     declared = ([["S0"]] * 12, [["S1"]] * 3 + [["R"]] * 9)
     assert len(attention) == 2 and all(n["ins"] in declared for n in attention), attention
+
+
+_BATCH_OF_ONE = r"""
+import math, sys, torch
+from graph_trainer.autoparallel import flex
+from graph_trainer.capture import build_step
+from graph_trainer.config import parse_args
+from graph_trainer.trainer import GraphTrainer
+cfg = parse_args(["--compile.autoparallel", "--training.mixed_precision_param", "bfloat16", "--model.flavor", "debugmodel_flex_attn",
+                  "--comm.mode", "fake", "--comm.fake_world_size", "8", "--parallelism.dp_shard", "8", "--model.n_layers", "1",
+                  "--training.seq_len", "128", "--training.batch_size", "8", "--training.random_tokens",
+                  "--metrics.progress_bar", "false", "--job.dump_folder", sys.argv[1]])
+run_local = flex.run_local
+
+def checked(node, args, mesh):
+    out = run_local(node, args, mesh)
+    for o, traced in zip(out, node.meta["val"]):
+        if isinstance(o, torch.Tensor):
+            print("FLEX_OUT local batch", o.to_local().shape[0], "traced layout", o.shape == traced.shape and o.stride() == traced.stride())
+    return out
+
+flex.run_local = checked
+tr = GraphTrainer(cfg)
+runner = tr.model.get_submodule("layers.0")._ap_runner
+for node in runner.unit.gm.graph.nodes:
+    if node.target is flex.FLEX_ATTENTION:
+        print("FLEX_Q", repr(runner.node_plan[node.name][0][0]))
+x, y = tr.next_batch()
+for mode in ("eager", "aot_fx_trace"):
+    tr.optimizers.zero_grad()
+    print(mode, "FINITE", math.isfinite(build_step(mode, tr.capture)(x, y).item()))
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_per_rank_flex_attention_on_a_batch_of_one_keeps_the_traced_global_layout(tmp_path):
+    """The SDPA sibling of this case (tests/test_autoparallel_shapes.py) failed: a rank's batch of one may
+    carry any stride on that dimension, from which DTensor inferred a global layout with the batch inside
+    the sequence, and the traced `view` after attention failed. FlexAttention's per-rank run
+    (flex.run_local), rank 0 of dp_shard 8 with 8 sequences and bf16 parameters, eager and aot_fx_trace:
+    the plan splits the op over the batch (one sequence per rank), each output DTensor has the traced
+    global shape and strides, and the step runs to a finite loss. Measured with the kernel's output
+    given local batch stride 16 instead of its 256: the wrapped output's strides differed from the traced
+    ones (this test's layout check) and the view failed on strides (16, 2048, 128, 1)."""
+    proc = subprocess.run([sys.executable, "-c", _BATCH_OF_ONE, str(tmp_path)], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    # the case in question must still be planned, or this test checks nothing
+    assert "FLEX_Q (Replicate(), Shard(dim=0), Replicate())" in lines, proc.stdout[-3000:]
+    outs = [line for line in lines if line.startswith("FLEX_OUT")]
+    assert outs and set(outs) == {"FLEX_OUT local batch 1 traced layout True"}, proc.stdout[-3000:]
+    assert "eager FINITE True" in lines and "aot_fx_trace FINITE True" in lines, proc.stdout[-3000:]
