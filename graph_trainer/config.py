@@ -132,7 +132,7 @@ class Compile:
     """Solver implementation: ours, or Meta's autoparallel package if installed."""
     autoparallel_memory_budget: str = ""
     """Per-rank memory cap of a plan: a fraction of device memory (0.5) or GiB (20GiB). The built-in solver counts
-    parameters, gradients, optimizer state and the activations the AC policy keeps (default 0.85); Meta's placer
+    parameters, gradients, optimizer state and the activations the AC policy keeps (default: device memory less 8 GiB); Meta's placer
     parameters alone (default 0.5)."""
     autoparallel_plan: str = ""
     """Reuse a plan.json written by `graph-trainer plan` instead of solving."""

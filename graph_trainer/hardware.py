@@ -79,7 +79,9 @@ class Hardware:
 
 
 H100 = Hardware()
-H200 = dataclasses.replace(H100, name="h200", hbm_bytes_per_s=4.8e12, device_memory_bytes=141e9)
+# memory: what torch reports as the H200's total (139.8 GiB, printed by the trainer's out-of-memory line on the
+# device), not the spec sheet's 141 GB, so that a plan made on a CPU gets the budget the GPU run would
+H200 = dataclasses.replace(H100, name="h200", hbm_bytes_per_s=4.8e12, device_memory_bytes=139.8 * GiB)
 CPU_GLOO = Hardware(
     name="cpu",
     peak_flops={torch.float32: 25e9 / 0.7, torch.bfloat16: 8e9 / 0.7, torch.float16: 8e9 / 0.7},

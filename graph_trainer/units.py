@@ -9,13 +9,12 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
-def parse_memory_budget(text: str, device_memory: float, flag: str = "compile.autoparallel_memory_budget",
-                        default_share: float = 0.5) -> float:
-    """'' -> `default_share` of the device memory; '0.5' -> a fraction; '20GiB' / '512MiB'.
-    `flag` names the setting in errors."""
+def parse_memory_budget(text: str, device_memory: float, flag: str = "compile.autoparallel_memory_budget") -> float:
+    """'' -> half the device memory; '0.5' -> a fraction; '20GiB' / '512MiB'. `flag` names the setting
+    in errors."""
     text = text.strip()
     if not text:
-        return default_share * device_memory
+        return 0.5 * device_memory
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB)?", text)
     if not m:
         raise ConfigError(f"{flag} {text!r} is not a fraction (0.5) or a size (20GiB, 512MiB)")

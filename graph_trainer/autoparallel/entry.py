@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..config import ConfigError, JobConfig
 from ..parallel.simple_fsdp import MixedPrecision
 from ..hardware import Hardware, select
-from ..units import parse_memory_budget
+from ..units import GiB, parse_memory_budget
 from . import report
 from .memory import ActivationPolicy
 from .planner import MeshInfo, Settings, plan_model
@@ -24,12 +24,19 @@ EP_DIM = "dp_shard"
 """`--parallelism.ep N` with the solver pins expert parallelism to this mesh dim (N must be its size)."""
 
 
-PLAN_MEMORY_SHARE = 0.85
-"""The built-in solver's default budget, of the device memory: its memory row counts parameters,
-gradients, optimizer state, the activations the AC policy keeps and the gathered parameters; the rest
-is for what it does not count (CUDA context, allocator fragmentation, transient buffers). Measured: the
-8B dp8 run whose memory policy budgeted 40 GiB of such counted memory peaked at 47.3 GiB active
-(bench/results/2026-11-24-scale.md, 8B dp8 of 2026-11-23), 1.18x, and 1 / 1.18 = 0.85."""
+PLAN_MEMORY_RESERVE = 8 * GiB
+"""What the built-in solver's default budget leaves free of the device memory: the budget is device
+memory minus this. The plan's memory row counts parameters, gradients, optimizer state, the
+activations the AC policy keeps, MoE dispatch buffers and gathered parameters, all at once (gradients
+beside every activation: more than is ever alive together), and it came out at or above the peak
+active bytes of every auto-placed GPU run measured (`graph-trainer plan` of the bench's jobs against
+their peaks in bench/results/2026-11-24-scale.md: 8B dp8 46.5 GiB against 35.7, 8B dp4 x tp2 30.8
+against 28.4, DeepSeek V3 16B dp8 x ep8 127.4 against 122.0). What it leaves out is memory that is not
+the allocator's active bytes: 2 GiB for what lives outside the allocator (the CUDA context,
+cuBLAS/cuDNN handles, NCCL's communicator buffers) and 6 GiB for the allocator's reserved-but-inactive
+blocks at the peak (fragmentation; torchtitan's peak reserved memory of identical runs differed by
+3.9 GiB, NOTES.md). A fixed reserve, not a share of the device: none of these grows with the device's
+size (0.85 of the H200 refused the DeepSeek run, which fits)."""
 
 
 def mesh_info(degrees: Any) -> MeshInfo:
@@ -67,8 +74,8 @@ def solver_settings(cfg: JobConfig, model: nn.Module, hw: Hardware) -> Settings:
     ac = cfg.activation_checkpoint
     return Settings(
         hw=hw,
-        memory_budget=parse_memory_budget(cfg.compile.autoparallel_memory_budget, hw.device_memory_bytes,
-                                          default_share=PLAN_MEMORY_SHARE),
+        memory_budget=(parse_memory_budget(cfg.compile.autoparallel_memory_budget, hw.device_memory_bytes)
+                       if cfg.compile.autoparallel_memory_budget.strip() else hw.device_memory_bytes - PLAN_MEMORY_RESERVE),
         reduce_dtype=MixedPrecision.from_config(t, "cuda").reduce_dtype,
         param_itemsize=next(model.parameters()).element_size(),
         microbatches=t.gradient_accumulation_steps,
