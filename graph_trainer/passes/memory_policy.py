@@ -352,11 +352,13 @@ class _Ledger:
 
 
 def _loss_step(steps: list[Step], acts: Activations) -> int:
-    """The index of the loss in `steps` (past the end when the graph has none: nothing is backward)."""
-    if acts.pos_of_loss >= len(acts.order):
-        return len(steps)
-    loss = acts.order[acts.pos_of_loss]
-    return next(i for i, (key, _, _) in enumerate(steps) if key is loss)
+    """The index in `steps` of the last forward step: forward and backward meet there. (The loss itself
+    may be gone: a loss only backward reads can be recomputed there.)"""
+    boundary = -1
+    for i, (key, node, _) in enumerate(steps):
+        if key is node and acts.pos.get(node, len(acts.order)) <= acts.pos_of_loss:
+            boundary = i
+    return boundary
 
 
 def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callable[[fx.Node], float],
@@ -488,18 +490,24 @@ def _choose_offloads(acts: Activations, ledger: _Ledger, profile: Profile, budge
     # The copies' launches are host work like any kernel's: where recomputing costs less, recompute.
     dear = [r for r in candidates if costs[r] > OFFLOAD_LAUNCHES * offload.hw.launch_s]
     chosen: set[fx.Node] = set()
-    for root in sorted(dear, key=lambda r: (-costs[r] / max(acts.root_bytes(r), 1), acts.pos[r])):
-        if profile.peak <= budget_bytes:
-            break
-        if root not in profile.alive:
-            continue
-        trial = chosen | {root}
-        trial_steps, plan = build(set(), trial)
-        if any(t.exposed_s > 0 for t in plan.values()):
-            continue
-        lowered = simulator(trial_steps)
-        if lowered.peak < profile.peak:
-            chosen, profile = trial, lowered
+    left = sorted(dear, key=lambda r: (-costs[r] / max(acts.root_bytes(r), 1), acts.pos[r]))
+    # The peak moves as activations leave it: sweep again over those not live at it before, until a
+    # sweep adds nothing.
+    progress = True
+    while progress and profile.peak > budget_bytes:
+        progress, skipped = False, []
+        for root in left:
+            if profile.peak <= budget_bytes or root not in profile.alive:
+                skipped.append(root)
+                continue
+            trial = chosen | {root}
+            trial_steps, plan = build(set(), trial)
+            if any(t.exposed_s > 0 for t in plan.values()):
+                continue
+            lowered = simulator(trial_steps)
+            if lowered.peak < profile.peak:
+                chosen, profile, progress = trial, lowered, True
+        left = skipped
     return chosen
 
 
