@@ -172,7 +172,7 @@ class Activations:
         val = node.meta.get("val")
         if self.roots[node] is not node or node in mutated or _is_collective(node) or not isinstance(val, torch.Tensor):
             return False
-        if not _dense(val):
+        if not val.numel() or not _dense(val):
             return False
         return all(m is node or not any(self.is_backward(u) for u in m.users) for m in self.by_root[node])
 
