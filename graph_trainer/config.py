@@ -156,6 +156,10 @@ class ActivationCheckpoint:
     memory_budget: str = ""
     """memory_budget mode: per-GPU memory for parameters, gradients, optimizer state and saved activations, in GiB
     (20GiB) or as a fraction of device memory (0.5); empty: 0.5."""
+    offload: Literal["auto", "never", "always"] = "auto"
+    """memory_budget mode in aot_fx_trace: move activations to pinned host memory after forward and back before
+    backward. auto: those whose copies compute hides, when the budget needs it (never on CPU, nor under a whole-graph
+    Inductor compile); always: every activation that can be (to test it); never."""
 
 
 @dataclass

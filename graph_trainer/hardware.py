@@ -15,6 +15,11 @@ Spec sheets (dense, no sparsity), and what we take as reachable:
   kernel per aten op) equals its measured step, 27.5 ms (bench/results/2026-11-23-h100-parts/
   1-bitwise-debug-deepseek.json), where the roofline alone gives 6.0 ms for its 477 kernels. It
   includes the trainer's per-step work spread over the kernels, so it is an upper figure per kernel.
+- Host link (activation offload): PCIe Gen5 x16 between the GPU and its host, 64 GB/s per direction
+  on the spec sheet, each direction usable at once. 128b/130b encoding and packet headers leave about
+  80% of it for data (pinned-memory copies are commonly reported at 50-55 GB/s on H100 hosts; not
+  measured by this project), and the NIC of a node may share the CPU's root complex: we take the same
+  0.7 as for every other rate, 45 GB/s. A copy also costs a launch (`launch_s`).
 - CPU-gloo (the shared test machines, 2 ranks over loopback, one thread each): a 2-rank all-gather
   took 0.25 ms at 8 KB and moved 0.2-0.5 GB/s, fp32 mm ran at 23 GFLOP/s, copies at 2-4 GB/s.
 
@@ -52,6 +57,8 @@ class Hardware:
     inter_latency_s: float = 20e-6
     launch_s: float = 58e-6
     """The least time of one kernel (each op costs max(roofline, this)) and the host time of a collective's launch."""
+    host_link_bytes_per_s: float = 64e9
+    """Bytes/s each way between the device and pinned host memory; 0 where there is no such link (CPU)."""
     gpus_per_node: int = 8
     device_memory_bytes: float = 80 * GiB
     max_bucket_bytes: int = 1 * GiB
@@ -73,6 +80,12 @@ class Hardware:
             return self.inter_node_bytes_per_s, self.inter_latency_s
         return self.intra_node_bytes_per_s, self.intra_latency_s
 
+    def host_transfer_s(self, nbytes: int) -> float:
+        """Seconds to copy `nbytes` one way between device and pinned host memory (inf without a link)."""
+        if self.host_link_bytes_per_s <= 0:
+            return float("inf")
+        return self.launch_s + nbytes / (self.efficiency * self.host_link_bytes_per_s)
+
     def describe(self) -> dict[str, float | str]:
         return {"hardware": self.name,
                 "intra_node_GBps": self.intra_node_bytes_per_s / 1e9, "inter_node_GBps": self.inter_node_bytes_per_s / 1e9}
@@ -91,6 +104,7 @@ CPU_GLOO = Hardware(
     intra_latency_s=150e-6,
     inter_latency_s=150e-6,
     launch_s=30e-6,
+    host_link_bytes_per_s=0.0,
     device_memory_bytes=24 * GiB,
     max_bucket_bytes=64 * MiB,
     max_in_flight_bytes=256 * MiB,

@@ -138,7 +138,7 @@ def check_compile(cfg: JobConfig, device_type: str) -> None:
 
 
 def check_activation_checkpoint(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
-    from .passes.memory_policy import BUDGET_FLAG
+    from .passes.memory_policy import BUDGET_FLAG, OFFLOAD_BACKENDS
     from .passes.registry import PASSES
 
     ac = cfg.activation_checkpoint
@@ -152,6 +152,15 @@ def check_activation_checkpoint(cfg: JobConfig, degrees: tuple[int, int, int, in
                 f"{' or '.join(modes)}, or --activation_checkpoint.mode full/selective with --compile.mode {cfg.compile.mode}"
             )
         parse_memory_budget(ac.memory_budget, 1.0, flag=BUDGET_FLAG)
+    if ac.offload == "always" and (ac.mode != "memory_budget" or cfg.compile.mode != "aot_fx_trace"):
+        raise ConfigError("--activation_checkpoint.offload always needs --activation_checkpoint.mode memory_budget with "
+                          "--compile.mode aot_fx_trace; add those or drop the offload flag")
+    if ac.offload == "always" and cfg.compile.inductor_compilation not in OFFLOAD_BACKENDS:
+        raise ConfigError(f"--activation_checkpoint.offload always runs the step graph op by op around its transfers; use "
+                          f"--compile.inductor_compilation {' or '.join(OFFLOAD_BACKENDS)}, or --activation_checkpoint.offload auto")
+    if ac.offload == "always" and "cudagraph" in cfg.compile.passes:
+        raise ConfigError("--activation_checkpoint.offload always allocates pinned host memory, which a CUDA graph capture "
+                          "cannot: drop cudagraph from --compile.passes, or use --activation_checkpoint.offload auto")
     if ac.mode != "selective":
         return
     option = ac.selective_ac_option

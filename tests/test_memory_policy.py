@@ -242,6 +242,16 @@ def test_unreachable_budget_warns_once_with_the_peak_reached(fake_pg, caplog):
      "read by --activation_checkpoint.mode memory_budget only"),
     (["--compile.mode", "aot_fx_trace", "--compile.passes", "memory_policy"],
      "'memory_policy' is added by --activation_checkpoint.mode; remove it from --compile.passes"),
+    (["--compile.mode", "aot_fx_trace", "--activation_checkpoint.offload", "always"],
+     "--activation_checkpoint.offload always needs --activation_checkpoint.mode memory_budget with --compile.mode aot_fx_trace"),
+    (["--compile.mode", "aot", "--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.offload", "always"],
+     "--activation_checkpoint.offload always needs --activation_checkpoint.mode memory_budget with --compile.mode aot_fx_trace"),
+    (["--compile.mode", "aot_fx_trace", "--compile.inductor_compilation", "full", "--activation_checkpoint.mode",
+      "memory_budget", "--activation_checkpoint.offload", "always"], "use --compile.inductor_compilation none or regional"),
+    (["--compile.mode", "aot_fx_trace", "--compile.passes", "cudagraph", "--activation_checkpoint.mode", "memory_budget",
+      "--activation_checkpoint.offload", "always"], "drop cudagraph from --compile.passes"),
+    (["--compile.mode", "aot_fx_trace", "--activation_checkpoint.offload", "sometimes"],
+     "activation_checkpoint.offload must be one of auto, never, always, got 'sometimes'"),
 ])
 def test_refused_combinations_exit_2_with_one_line(flags, needle, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")

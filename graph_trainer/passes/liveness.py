@@ -8,6 +8,8 @@ whoever knows what they are: parameters, optimizer state); graph outputs live to
 
 The schedule may differ from the graph's order (a pass can simulate a rewrite before doing it): each
 step names the value it produces (a key), the node whose op it runs and the key each input is read as.
+A step without a node only reads (a wait that holds its inputs until a transfer is done). The host
+copy an offload makes is not device memory: it counts nothing.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from torch import fx
 
 from ..graph_dump import nbytes
 from .bucketing_compat import WAIT
+from .offload_ops import OFFLOAD
 
-Step = tuple[Hashable, fx.Node, Mapping[fx.Node, Hashable]]
-"""(key of the value produced, the node whose op produces it, key read for each input node)."""
+Step = tuple[Hashable, fx.Node | None, Mapping[fx.Node, Hashable]]
+"""(key of the value produced, the node whose op produces it or None, key read for each input node)."""
 
 
 def alias_of(node: fx.Node) -> fx.Node | None:
@@ -47,7 +50,7 @@ def _owns_item(node: fx.Node) -> bool:
 def allocated_bytes(node: fx.Node) -> int:
     """Bytes `node`'s op allocates for the value the simulation keys by it: 0 for aliases; of a
     multi-output op, the outputs no item reader takes over."""
-    if node.op != "call_function" or alias_of(node) is not None and not _owns_item(node):
+    if node.op != "call_function" or node.target is OFFLOAD or alias_of(node) is not None and not _owns_item(node):
         return 0
     total = nbytes(node.meta.get("val"))
     if isinstance(node.meta.get("val"), (list, tuple)):
@@ -90,6 +93,11 @@ class Simulator:
         last: dict[Hashable, int] = {}
         end = len(schedule)
         for i, (key, node, inputs) in enumerate(schedule):
+            if node is None:
+                for read in inputs.values():
+                    if owner[read] is not None:
+                        last[owner[read]] = i
+                continue
             if node.op in ("placeholder", "get_attr"):
                 owner[key] = None
                 continue

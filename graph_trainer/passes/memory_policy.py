@@ -1,4 +1,5 @@
-"""memory_policy: for every activation the backward needs, save it or recompute it in backward.
+"""memory_policy: for every activation the backward needs, save it, recompute it in backward, or
+offload it to host memory and reload it before backward needs it.
 
 An activation is a forward value of the train-step graph that backward reads and that is computed
 from the batch (values computed from parameters alone, such as gathered weights and their casts, are
@@ -27,13 +28,24 @@ Two policies:
   torchtitan's op-level policy on each transformer block: save the outputs of the ops on its save
   list (every other matmul, attention, ...), recompute the rest; a block's outputs are saved.
 
-Offloading to host memory is not done (`ac_offloaded_gib` is always 0): no transfer is scheduled
-behind compute yet, and an unhidden one costs more than recomputing these activations.
+Offload (`--activation_checkpoint.offload`, memory_budget in aot_fx_trace): before recomputing, the
+budget policy offloads the activations live at the peak whose copies to host memory and back the
+compute between their last forward read and first backward read hides (`transfers`: the host link of
+`Hardware`, each direction a FIFO queue, copy times with a margin), the dearest to recompute per byte
+first, skipping those whose recomputation costs less than the two copies' launches. The rewrite adds
+`offload_ops`' four nodes per activation (offload after it is made, its wait once the copy is done,
+the reload early enough in backward, its wait before the first backward use); the simulation counts
+the activation freed from the offload's wait to the reload, and the reloaded copy live from the reload
+to its last backward read. `auto` (the default) never offloads on the CPU (no host link) nor under a
+whole-graph Inductor compile; `always` offloads every activation that can be (to test it), `never` none.
+The copies are exact, so the step's results stay bitwise those of the graph without the pass.
 
 The chosen policy and the simulated peak with it and without (`ac_peak_gib`, `ac_peak_baseline_gib`, of
 which `ac_persistent_gib` is held throughout) go into the log, into `ctx.report` (the step-1 metrics
 record's `ac_*` keys) and into the `memory_policy` stage of the graph dumps, where every recomputed node is named
-`recompute_<forward name>` and carries `node.meta["memory_policy"] = "recomputed"`.
+`recompute_<forward name>` and carries `node.meta["memory_policy"] = "recomputed"`, and the transfers of
+an offloaded one are `offload_`, `wait_offload_`, `reload_`, `wait_reload_<forward name>`, with
+`node.meta["memory_policy"] = "offloaded"`.
 """
 
 from __future__ import annotations
@@ -41,19 +53,20 @@ from __future__ import annotations
 import heapq
 import logging
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
 from ..graph_dump import is_collective, nbytes
-from ..hardware import select
+from ..hardware import Hardware, select
 from ..parallel import BLOCK_KEY, OP_SAC_SAVE_LIST
 from ..units import GiB, parse_memory_budget
 from .collectives import forward_end
 from .cost_model import CostModel
-from .liveness import Profile, Simulator, Step, alias_of, simulate
+from .liveness import Profile, Simulator, Step, alias_of, graph_schedule, simulate
+from .transfers import Transfer, insert_transfers, place, windows, with_transfers
 from .registry import PassContext, PassSpec, register_pass
 
 logger = logging.getLogger("graph_trainer")
@@ -72,6 +85,19 @@ def policy_name(cfg: Any) -> str | None:
     if ac.mode == "selective" and ac.selective_ac_option == "op" and cfg.compile.mode == "aot_fx_trace":
         return "op"
     return None
+
+
+def offload_mode(cfg: Any) -> str:
+    """`--activation_checkpoint.offload` as the pass applies it: only the budget policy of aot_fx_trace
+    offloads, and `auto` only where the step graph runs op by op (a whole-graph Inductor compile is
+    not known to keep the transfers where the pass puts them) and outside a CUDA graph (whose capture
+    cannot allocate pinned host memory); validation refuses `always` in both cases."""
+    ac = cfg.activation_checkpoint
+    if policy_name(cfg) != "memory_budget" or cfg.compile.mode != "aot_fx_trace":
+        return "never"
+    if ac.offload == "auto" and (cfg.compile.inductor_compilation not in OFFLOAD_BACKENDS or "cudagraph" in cfg.compile.passes):
+        return "never"
+    return ac.offload
 
 
 def activation_passes(cfg: Any) -> list[str]:
@@ -118,6 +144,7 @@ class Activations:
             self.by_root.setdefault(self.roots[node], []).append(node)
         mutated = {self.roots[n.args[0]] for n in self.order if _mutates(n) and n.args and isinstance(n.args[0], fx.Node)}
         self.recomputable = {n for n in self.forward if self._recomputable(n, mutated)}
+        self.offloadable = {n for n in self.forward if self._offloadable(n, mutated)}
         self.inputs = {n: n.all_input_nodes for n in self.order}
         self.steps: list[Step] = [(n, n, {i: i for i in self.inputs[n]}) for n in self.order]
         """The graph as it stands, as a `liveness` schedule."""
@@ -134,6 +161,16 @@ class Activations:
         # views read it when used, so recomputing a view sees what the original view saw.
         return target.is_view or not any(self.roots[i] in mutated for i in node.all_input_nodes) and self.roots[node] not in mutated
 
+    def _offloadable(self, node: fx.Node, mutated: set[fx.Node]) -> bool:
+        """A storage of its own that backward reads whole: the copy to host and back is then the value,
+        and the reload can take over every backward read."""
+        val = node.meta.get("val")
+        if self.roots[node] is not node or node in mutated or is_collective(node) or not isinstance(val, torch.Tensor):
+            return False
+        if not val.numel() or not _dense(val):
+            return False
+        return all(m is node or not any(self.is_backward(u) for u in m.users) for m in self.by_root[node])
+
     def is_backward(self, node: fx.Node) -> bool:
         return node.op == "call_function" and self.pos[node] > self.pos_of_loss
 
@@ -141,16 +178,50 @@ class Activations:
         return nbytes(root.meta.get("val")) if root in self.forward else 0
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """No two elements share memory and none is skipped (a copy with the same strides is a plain copy)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 @dataclass
 class Policy:
     recompute: set[fx.Node]
     saved_bytes: int
+    """Bytes of activations held on the device across the loss (offloaded ones not counted)."""
     baseline_bytes: int
     recompute_s: float
     peak_bytes: int = 0
     """Simulated peak of the graph's own values with the policy (`liveness`; graph inputs excluded)."""
     baseline_peak_bytes: int = 0
-    """The same without recomputation."""
+    """The same without recomputation or offload."""
+    offload: dict[fx.Node, Transfer] = field(default_factory=dict)
+    """The offloaded activations and their transfers, at positions of the schedule the policy simulated."""
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(nbytes(r.meta.get("val")) for r in self.offload)
+
+    @property
+    def unhidden(self) -> int:
+        """Offloaded activations whose transfers compute does not hide (only under `always`)."""
+        return sum(1 for t in self.offload.values() if t.exposed_s > 0)
+
+
+@dataclass(frozen=True)
+class Offload:
+    """What the budget policy may offload (`--activation_checkpoint.offload`) and the link it prices."""
+
+    mode: str
+    """never | auto | always"""
+    hw: Hardware
+
+
+NEVER = Offload("never", Hardware())
 
 
 def schedule(acts: Activations, recompute: set[fx.Node]) -> list[Step]:
@@ -275,9 +346,31 @@ class _Ledger:
         return [n for n in self.acts.by_root.get(root, ()) if self.saved(n)]
 
 
-def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callable[[fx.Node], float]) -> Policy:
+def _loss_step(steps: list[Step], acts: Activations) -> int:
+    """The index in `steps` of the last forward step: forward and backward meet there. (The loss itself
+    may be gone: a loss only backward reads can be recomputed there.)"""
+    boundary = -1
+    for i, (key, node, _) in enumerate(steps):
+        if key is node and acts.pos.get(node, len(acts.order)) <= acts.pos_of_loss:
+            boundary = i
+    return boundary
+
+
+def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callable[[fx.Node], float],
+                       offload: Offload = NEVER) -> Policy:
     """Greedy on the simulated peak of the graph's own values (`budget_bytes`: the step's budget less
-    what it holds besides them). Each round, while the peak exceeds the budget, recompute held
+    what it holds besides them), offloading first, then recomputing.
+
+    Offload (`offload.mode` auto): while the peak exceeds the budget, offload the activations live at
+    the peak whose transfers compute hides (`transfers.place`: no exposed wait, both directions of the
+    host link as FIFO queues shared by every offload chosen so far), the dearest to recompute per byte
+    first, each kept only if the simulated peak falls. An offload costs no compute where it is hidden,
+    so it beats recomputing whatever it can cover; where there is no host link (CPU) nothing is hidden
+    and nothing is offloaded. `always` offloads every activation that can be (a storage of its own
+    read whole by backward, with steps between its last forward read and first backward read),
+    hidden or not. The recomputation below never touches an offloaded activation.
+
+    Recompute: each round, while the peak exceeds the budget, recompute held
     storages live at the peak, the most bytes freed per second of recomputation first (scores
     refreshed lazily: a popped candidate whose fresh score is below the next one's goes back into the
     heap), until their bytes cover the excess; then simulate again. A round that does not lower the
@@ -294,6 +387,16 @@ def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callab
             times[node] = node_time(node)
         return times[node]
 
+    def build(rc: set[fx.Node], offloaded: set[fx.Node]) -> tuple[list[Step], dict[fx.Node, Transfer]]:
+        steps = schedule(acts, rc)
+        if not offloaded:
+            return steps, {}
+        plan = place(steps, offloaded, _loss_step(steps, acts), node_time_of, offload.hw)
+        return with_transfers(steps, plan), plan
+
+    first = simulator(schedule(acts, set()))
+    offloaded = _choose_offloads(acts, ledger, first, budget_bytes, offload, build, simulator, node_time_of)
+
     def score(root: fx.Node) -> tuple[float, set[fx.Node]] | None:
         members = ledger.members(root)
         chain = ledger.closure(members, keep) if members else None
@@ -307,6 +410,8 @@ def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callab
     heap: list[tuple[float, int, fx.Node]] = []
 
     def push(root: fx.Node) -> None:
+        if root in offloaded:
+            return
         found = score(root)
         if found is not None:
             heapq.heappush(heap, (-found[0], acts.pos[root], root))
@@ -316,7 +421,7 @@ def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callab
 
     for root in list(ledger.held):
         push(root)
-    profile = first = simulator(schedule(acts, ledger.rc))
+    profile = simulator(build(ledger.rc, offloaded)[0])
     cap, misses = float("inf"), 0
     while profile.peak > budget_bytes and heap and misses < MAX_MISSES:
         before, queued = ledger.snapshot(), list(heap)
@@ -341,7 +446,7 @@ def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callab
             push(root)
         if not chosen:
             break
-        lowered = simulator(schedule(acts, ledger.rc))
+        lowered = simulator(build(ledger.rc, offloaded)[0])
         if lowered.peak < profile.peak:
             profile, cap, misses = lowered, float("inf"), 0
             continue
@@ -354,7 +459,51 @@ def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callab
             heap[:] = [entry for entry in heap if entry[2] is not chosen[0]]
             heapq.heapify(heap)
         cap = freed / 2
-    return Policy(ledger.rc, ledger.bytes, baseline, sum(node_time_of(n) for n in ledger.rc), profile.peak, first.peak)
+    plan = build(ledger.rc, offloaded)[1]
+    held = ledger.bytes - sum(acts.root_bytes(r) for r in plan)
+    return Policy(ledger.rc, held, baseline, sum(node_time_of(n) for n in ledger.rc), profile.peak, first.peak, plan)
+
+
+def _choose_offloads(acts: Activations, ledger: _Ledger, profile: Profile, budget_bytes: float, offload: Offload,
+                     build: Callable, simulator: Simulator, node_time: Callable[[fx.Node], float]) -> set[fx.Node]:
+    """The activations `plan_memory_budget` offloads (see there), before any recomputation."""
+    if offload.mode == "never" or not acts.offloadable:
+        return set()
+    steps = schedule(acts, set())
+    spans = windows(steps, _loss_step(steps, acts))
+    candidates = [r for r in acts.offloadable if r in spans and spans[r][0] + 1 < spans[r][1]]
+    if offload.mode == "always":
+        return set(candidates)
+    if offload.hw.host_link_bytes_per_s <= 0:
+        return set()
+
+    def recompute_s(root: fx.Node) -> float:
+        chain = ledger.closure([root], lambda n: False) if root in acts.recomputable else None
+        return float("inf") if chain is None else sum(node_time(n) for n in chain)
+
+    costs = {r: recompute_s(r) for r in candidates}
+    # The copies' launches are host work like any kernel's: where recomputing costs less, recompute.
+    dear = [r for r in candidates if costs[r] > OFFLOAD_LAUNCHES * offload.hw.launch_s]
+    chosen: set[fx.Node] = set()
+    left = sorted(dear, key=lambda r: (-costs[r] / max(acts.root_bytes(r), 1), acts.pos[r]))
+    # The peak moves as activations leave it: sweep again over those not live at it before, until a
+    # sweep adds nothing.
+    progress = True
+    while progress and profile.peak > budget_bytes:
+        progress, skipped = False, []
+        for root in left:
+            if profile.peak <= budget_bytes or root not in profile.alive:
+                skipped.append(root)
+                continue
+            trial = chosen | {root}
+            trial_steps, plan = build(set(), trial)
+            if any(t.exposed_s > 0 for t in plan.values()):
+                continue
+            lowered = simulator(trial_steps)
+            if lowered.peak < profile.peak:
+                chosen, profile, progress = trial, lowered, True
+        left = skipped
+    return chosen
 
 
 def plan_op_policy(acts: Activations, save_ops: set[Any], node_time: Callable[[fx.Node], float]) -> Policy:
@@ -424,6 +573,14 @@ def recompute_in_backward(gm: fx.GraphModule, acts: Activations, recompute: set[
     return gm
 
 
+def offload_in_backward(gm: fx.GraphModule, acts: Activations, roots: set[fx.Node], cost: CostModel) -> fx.GraphModule:
+    """Put the transfers of `roots` into the graph (already rewritten for recomputation): placed on
+    the graph's own order, which is the schedule the policy simulated, so they land where it put them."""
+    steps = graph_schedule(gm.graph.nodes)
+    plan = place(steps, roots, _loss_step(steps, acts), cost.node_time, cost.hw)
+    return insert_transfers(gm, plan)
+
+
 def recomputed_bytes(acts: Activations, recompute: set[fx.Node]) -> int:
     """Bytes the recomputation writes again: the storages of recomputed ops that own one."""
     return sum(acts.root_bytes(n) for n in recompute if acts.roots[n] is n)
@@ -463,15 +620,17 @@ def _batch_placeholders(gm: fx.GraphModule, ctx: PassContext) -> set[fx.Node]:
     return set(gm.graph.find_nodes(op="placeholder")[first : first + 2])
 
 
-def _log(name: str, saved: int, baseline: int, recomputed: int, extra: str, tail: str) -> None:
+def _log(name: str, saved: int, baseline: int, recomputed: int, extra: str, tail: str, offloaded: str = "0 GiB") -> None:
     logger.info(
         f"memory policy {name}: activations saved {saved / GiB:.3f} GiB of {baseline / GiB:.3f}, recomputed "
-        f"{recomputed / GiB:.3f} GiB{extra}, offloaded 0 GiB; {tail}"
+        f"{recomputed / GiB:.3f} GiB{extra}, offloaded {offloaded}; {tail}"
     )
 
 
-def _report(ctx: PassContext, saved: int, recomputed: int, budget: float | None, **more: float) -> None:
-    report = {"ac_saved_gib": saved / GiB, "ac_recomputed_gib": recomputed / GiB, "ac_offloaded_gib": 0.0, **more}
+def _report(ctx: PassContext, saved: int, recomputed: int, budget: float | None, offloaded: int = 0,
+            **more: float) -> None:
+    report = {"ac_saved_gib": saved / GiB, "ac_recomputed_gib": recomputed / GiB, "ac_offloaded_gib": offloaded / GiB,
+              **more}
     if budget is not None:
         report["ac_budget_gib"] = budget / GiB
     ctx.report.setdefault("memory_policy", {}).update(report)
@@ -480,22 +639,27 @@ def _report(ctx: PassContext, saved: int, recomputed: int, budget: float | None,
 def _train_step(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     name = policy_name(ctx.cfg)
     acts = Activations(gm, _batch_placeholders(gm, ctx))
-    node_time = CostModel.for_context(ctx).node_time
+    cost = CostModel.for_context(ctx)
     persistent = persistent_bytes(gm, ctx)
     budget = step_budget(ctx) if name == "memory_budget" else None
     if budget is not None:
-        policy = plan_memory_budget(acts, budget - persistent, node_time)
+        policy = plan_memory_budget(acts, budget - persistent, cost.node_time, Offload(offload_mode(ctx.cfg), cost.hw))
     else:
-        policy = plan_op_policy(acts, OP_SAC_SAVE_LIST, node_time)
+        policy = plan_op_policy(acts, OP_SAC_SAVE_LIST, cost.node_time)
     recomputed = recomputed_bytes(acts, policy.recompute)
     recompute_in_backward(gm, acts, policy.recompute)
+    if policy.offload:
+        offload_in_backward(gm, acts, set(policy.offload), cost)
     peak, without = persistent + policy.peak_bytes, persistent + policy.baseline_peak_bytes
-    _report(ctx, policy.saved_bytes, recomputed, budget, ac_baseline_gib=policy.baseline_bytes / GiB,
-            ac_recompute_s=policy.recompute_s, ac_peak_gib=peak / GiB, ac_peak_baseline_gib=without / GiB,
+    _report(ctx, policy.saved_bytes, recomputed, budget, policy.offloaded_bytes,
+            ac_baseline_gib=policy.baseline_bytes / GiB, ac_recompute_s=policy.recompute_s,
+            ac_offload_unhidden=policy.unhidden, ac_peak_gib=peak / GiB, ac_peak_baseline_gib=without / GiB,
             ac_persistent_gib=persistent / GiB)
     _log(name, policy.saved_bytes, policy.baseline_bytes, recomputed, f" (est. {policy.recompute_s * 1e3:.1f} ms)",
-         f"simulated peak {peak / GiB:.3f} GiB ({without / GiB:.3f} without recomputation, {persistent / GiB:.3f} of it "
-         "parameters, optimizer state and inputs)" + ("" if budget is None else f", budget {budget / GiB:.3f} GiB"))
+         f"simulated peak {peak / GiB:.3f} GiB ({without / GiB:.3f} without recomputation or offload, {persistent / GiB:.3f} "
+         "of it parameters, optimizer state and inputs)" + ("" if budget is None else f", budget {budget / GiB:.3f} GiB"),
+         f"{policy.offloaded_bytes / GiB:.3f} GiB ({len(policy.offload)} activations, {policy.unhidden} of them with "
+         "transfers compute does not hide)")
     if budget is not None and peak > budget:
         logger.warning(f"memory policy memory_budget: the budget of {budget / GiB:.3f} GiB cannot be met: recomputing all "
                        f"that lowers the simulated peak leaves {peak / GiB:.3f} GiB")
@@ -539,6 +703,10 @@ def memory_policy(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return {"train_step": _train_step, "joint": _joint, "forward": _forward}[ctx.stage](gm, ctx)
 
 
+OFFLOAD_LAUNCHES = 2
+"""Kernel launches an offload adds (its two copies; the waits only order streams)."""
+OFFLOAD_BACKENDS = ("none", "regional")
+"""Backends that run the step graph's ops (outside compiled regions) in the graph's order."""
 PARTITIONER_BUDGET_META = "memory_budget"
 """node.meta key the min-cut partitioner reads its activation memory budget from (torch's own knob)."""
 BUDGET_FLAG = "--activation_checkpoint.memory_budget"
