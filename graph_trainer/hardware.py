@@ -9,12 +9,17 @@ Spec sheets (dense, no sparsity), and what we take as reachable:
 - NVLink 4 inside an 8-GPU HGX node: 900 GB/s per GPU both directions together, 450 GB/s per
   direction; NCCL rings reach about 80% of it, so 360 GB/s is used. Between nodes one 400 Gb/s NDR
   InfiniBand NIC per GPU: 50 GB/s, 40 GB/s used. Latency per ring step 10 us (NVLink) and 20 us (IB).
-- A kernel costs at least `launch_s`, its floor: the host's work per op (Python, dispatcher, launch),
-  which is what small models are bound by. H100 (and H200, same hosts): 58 us, the floor at which
-  the solver's price of llama3 debug (8 x 2048 tokens, one GPU, aot_fx_trace without Inductor: one
-  kernel per aten op) equals its measured step, 27.5 ms (bench/results/2026-11-23-h100-parts/
-  1-bitwise-debug-deepseek.json), where the roofline alone gives 6.0 ms for its 477 kernels. It
-  includes the trainer's per-step work spread over the kernels, so it is an upper figure per kernel.
+- The host spends `launch_s` per kernel (Python, dispatcher, launch), which is what small models are
+  bound by; the GPU runs a kernel once it is launched and the previous one is done, so a kernel
+  behind a long one launches while that one runs (passes/cost_model.py, `graph_times`). H100 (and
+  H200, same hosts): 58 us, the figure at which the price of llama3 debug (8 x 2048 tokens, one GPU,
+  aot_fx_trace without Inductor: one kernel per aten op) equals its measured step, 27.5 ms
+  (bench/results/2026-11-23-h100-parts/1-bitwise-debug-deepseek.json), where the roofline alone gives
+  6.0 ms for its 477 kernels: launch-bound throughout, so whether host and GPU overlap barely
+  changes the figure (the traced llama3 debug step: 44.0 ms priced kernel by kernel, 43.3 ms
+  overlapped). It includes the trainer's per-step work spread over the kernels, so it is an upper
+  figure per kernel; Inductor's generated code launches its fused kernels with less host work per
+  kernel, which this figure does not separate.
 - Host link (activation offload): PCIe Gen5 x16 between the GPU and its host, 64 GB/s per direction
   on the spec sheet, each direction usable at once. 128b/130b encoding and packet headers leave about
   80% of it for data (pinned-memory copies are commonly reported at 50-55 GB/s on H100 hosts; not
@@ -56,7 +61,7 @@ class Hardware:
     """Seconds per ring step inside a node."""
     inter_latency_s: float = 20e-6
     launch_s: float = 58e-6
-    """The least time of one kernel (each op costs max(roofline, this)) and the host time of a collective's launch."""
+    """Host seconds per kernel launch (collectives included); one op priced alone costs max(roofline, this)."""
     host_link_bytes_per_s: float = 64e9
     """Bytes/s each way between the device and pinned host memory; 0 where there is no such link (CPU)."""
     gpus_per_node: int = 8

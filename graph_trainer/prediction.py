@@ -2,8 +2,9 @@
 of the mesh (world size from the mesh degrees; links by `--compile.hardware`: NVLink inside nodes of
 8 GPUs, InfiniBand across), also when a fake process group simulates that job on one device.
 
-It is read from the estimates `apply_passes` records for each captured graph before the passes run
-(passes/step_estimate.py): the train-step graph (aot_fx_trace), the joint graph (aot), or forward +
+It is read from the estimates `apply_passes` records for each captured graph before the passes of
+that call run (passes/step_estimate.py; in aot_fx_trace the backend's call, after the parameter and
+activation policies): the train-step graph (aot_fx_trace), the joint graph (aot), or forward +
 backward summed (jit). `compute_ms` is compute alone, `comm_ms` every collective in series,
 `exposed_comm_ms` = `step_ms` - `compute_ms` with the FSDP collectives bucketed and overlapped as
 `auto_bucketing` plans them. Eager captures no graph and writes no file.

@@ -5,6 +5,7 @@ memory model with activations, and what happens when HiGHS does not prove a plan
 from __future__ import annotations
 
 import json
+import operator
 import random
 
 import pytest
@@ -240,3 +241,154 @@ def test_dtensors_shard_to_shard_all_to_all_is_counted_and_priced_as_an_all_to_a
     # one ring step over InfiniBand: its latency, and half the 384 bytes at 40 GB/s; then the launch floor
     assert hardware.ring_collective_s("all_to_all", 384, 2, 40e9, 20e-6) == 20e-6 + 0.5 * 384 / 40e9
     assert model.node_time(node) == hardware.ring_collective_s("all_to_all", 384, 2, 40e9, 20e-6) + hw.launch_s
+
+
+def _fake_graph(fn, *shapes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[fx.Node]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        gm = make_fx(fn)(*(torch.empty(s, dtype=dtype) for s in shapes))
+    return list(gm.graph.nodes)
+
+
+def test_an_elementwise_chain_is_priced_as_one_fused_pass():
+    """Inductor compiles a chain of pointwise ops into one kernel that reads the input once and writes
+    the result once; run op by op, each op reads and writes a whole tensor and is its own kernel."""
+    from graph_trainer.passes.cost_model import fusion_groups
+
+    hw = hardware.H100
+    order = _fake_graph(lambda x: ((x * 2).relu() + 1).sigmoid() * 3, (8192, 4096))
+    ops = [n for n in order if n.op == "call_function"]
+    assert fusion_groups(order) == [ops]
+    tensor = 8192 * 4096 * 4
+    one_pass = 2 * tensor / hw.mem_bw
+    assert one_pass > hw.launch_s
+    # one launch, then the GPU's one pass over memory
+    assert sum(CostModel(hw, fused=True).graph_times(order)) == pytest.approx(hw.launch_s + one_pass, rel=1e-12)
+    # unfused: five passes, each launched while the previous one runs
+    assert sum(CostModel(hw).graph_times(order)) == pytest.approx(hw.launch_s + 5 * one_pass, rel=1e-12)
+
+
+def test_a_matmul_ends_a_fused_kernel():
+    """Pointwise ops on both sides of a matmul are two kernels: the second needs the matmul's result."""
+    from graph_trainer.passes.cost_model import fusion_groups
+
+    order = _fake_graph(lambda x, w: (x.relu() @ w).relu(), (4096, 4096), (4096, 4096))
+    relu1, mm, relu2 = [n for n in order if n.op == "call_function"]
+    assert fusion_groups(order) == [[relu1], [relu2]]
+    model = CostModel(hardware.H100, fused=True)
+    tensor = 4096 * 4096 * 4
+    # the first relu writes its output for the matmul; the second reads the product and writes the result
+    assert model.group_time([relu1]) == model.group_time([relu2]) == pytest.approx(2 * tensor / model.hw.mem_bw, rel=1e-12)
+
+
+def test_an_in_graph_update_is_one_kernel_per_parameter():
+    """The in-graph AdamW's ops of one parameter fuse into one kernel with the copy_ writes into the
+    parameter and its state (read once, written once; the copy_ destination is not read again); a
+    0-dim scalar shared by every update (the learning rate) ties no two parameters' kernels together."""
+    from graph_trainer.passes.cost_model import fusion_groups
+
+    def update(lr, p1, g1, m1, p2, g2, m2):
+        for p, g, m in ((p1, g1, m1), (p2, g2, m2)):
+            new_m = torch.lerp(m, g, 0.1)
+            p.copy_(p - lr * new_m / (new_m.abs().sqrt() + 1e-8))
+            m.copy_(new_m)
+        return lr * 2
+
+    order = _fake_graph(update, (), *[(1024, 4096)] * 6)
+    groups = fusion_groups(order)
+    per_param = [g for g in groups if len(g) > 1]
+    assert len(per_param) == 2 and not set(per_param[0]) & set(per_param[1])
+    copies = [n for n in order if n.target is torch.ops.aten.copy_.default]
+    assert all(sum(c in g for c in copies) == 2 for g in per_param)
+    model = CostModel(hardware.H100, fused=True)
+    tensor = 1024 * 4096 * 4
+    # reads p, g, m and the scalar, writes p and m
+    assert model.group_time(per_param[0]) == pytest.approx((5 * tensor + 4) / model.hw.mem_bw, rel=1e-12)
+
+
+def test_small_kernels_behind_a_long_one_cost_only_their_gpu_time():
+    """The host launches kernels ahead of the GPU: small kernels queued behind a long matmul add their
+    GPU time, not the launch floor each; a run of small kernels alone is bound by the launches."""
+    hw = hardware.H100
+    n = 8192
+
+    def step(a, b, *small):
+        return a @ b, *[s.relu() for s in small]
+
+    order = _fake_graph(step, (n, n), (n, n), *[(64,)] * 10, dtype=torch.bfloat16)
+    model = CostModel(hw)
+    kernels = [x for x in order if x.op == "call_function" and x.target is not operator.getitem]
+    mm, *relus = kernels
+    matmul = 2 * n**3 / hw.flops(torch.bfloat16)
+    tiny = 2 * 64 * 2 / hw.mem_bw
+    assert model._device_time(mm) == pytest.approx(matmul) and all(model._device_time(r) == pytest.approx(tiny) for r in relus)
+    assert sum(model.graph_times(order)) == pytest.approx(hw.launch_s + matmul + 10 * tiny, rel=1e-12)
+    alone = _fake_graph(lambda *small: [s.relu() for s in small], *[(64,)] * 10, dtype=torch.bfloat16)
+    assert sum(model.graph_times(alone)) == pytest.approx(10 * hw.launch_s + tiny, rel=1e-12)
+
+
+def test_an_in_graph_optimizer_is_not_priced_again_after_the_graph(fake_pg):
+    """With --compile.optimizer_in_graph the update's ops are in the graph the schedule prices: the
+    estimate adds no AdamW step after it (it did, twice counting the update)."""
+    gm, ctx = trace_llama("--compile.hardware", "h100")
+    assert estimate_graph(gm, ctx).optimizer_s > 0
+    gm, ctx = trace_llama("--compile.hardware", "h100", "--compile.optimizer_in_graph")
+    assert estimate_graph(gm, ctx).optimizer_s == 0
+
+
+def test_the_memory_policys_recomputation_is_priced(fake_pg):
+    """prediction.json keeps the estimate of the graph the backend receives, after memory_policy has
+    duplicated the recomputed chains into backward: each recomputed op is priced like the op it repeats."""
+    from graph_trainer.passes.registry import ESTIMATES, apply_passes
+
+    gm, ctx = trace_llama("--compile.hardware", "h100", "--activation_checkpoint.mode", "memory_budget",
+                          "--activation_checkpoint.memory_budget", "1MiB")
+    before = estimate_graph(gm, ctx).compute_s
+    gm = apply_passes(gm, ["memory_policy"], ctx, "train_step")
+    recomputed = [n for n in gm.graph.nodes if n.meta.get("memory_policy") == "recomputed"]
+    model = CostModel.for_context(ctx)
+    kernels = [t for n in recomputed if (t := model._device_time(n)) is not None]
+    assert kernels
+    after = estimate_graph(gm, ctx).compute_s
+    # A kernel inserted into the host/GPU pipeline delays the GPU's finish by at least its own GPU
+    # time and at most that plus its launch.
+    assert before + sum(kernels) <= after <= before + sum(kernels) + len(kernels) * model.hw.launch_s
+    ESTIMATES.clear()
+
+
+def test_collectives_the_planners_do_not_move_are_communication_not_compute(fake_pg):
+    """A collective the planners do not move (here a reduce-scatter whose result is computed on, as the
+    in-graph optimizer reads the gradients: not an FSDP one) runs on the communication stream from
+    where the graph issues it to its wait. Traced, its wait directly follows: compute stalls for all
+    of it, counted as exposed communication, not compute (a fake-communication run measures compute
+    alone). With its wait after a matmul, the matmul hides it."""
+    import torch.distributed._functional_collectives as funcol
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graph_trainer.passes.bucket_plan import planned_step
+    from graph_trainer.passes.bucketing_compat import REDUCE_SCATTER, WAIT
+
+    def step(g, a, b):
+        return funcol.reduce_scatter_tensor(g, "sum", 0, fake_pg) * (a @ b).sum()
+
+    with FakeTensorMode():
+        gm = make_fx(step)(torch.empty(4096, 16384), torch.empty(8192, 8192, dtype=torch.bfloat16),
+                           torch.empty(8192, 8192, dtype=torch.bfloat16))
+    order = list(gm.graph.nodes)
+    rs, wait, mm, mul = (next(n for n in order if n.target is t) for t in (REDUCE_SCATTER, WAIT, torch.ops.aten.mm.default,
+                                                                        torch.ops.aten.mul.Tensor))
+    assert order.index(wait) == order.index(rs) + 1
+    model = CostModel(hardware.H100)
+    comm = model.collective_node_time(rs, "reduce_scatter")
+    assert model.hw.launch_s < comm < model._device_time(mm)
+    compute = sum(model.graph_times(order, {rs}))
+    blocking = planned_step(gm, model)
+    assert blocking.compute_s == pytest.approx(compute, rel=1e-12) and blocking.comm_s == comm
+    # compute spends the launch at the issue, then stalls for the rest of the collective
+    assert blocking.exposed_comm_s == pytest.approx(comm - model.hw.launch_s, rel=1e-12)
+    mul.prepend(wait)
+    overlapped = planned_step(gm, model)
+    assert overlapped.compute_s == blocking.compute_s and overlapped.exposed_comm_s == 0.0

@@ -5,11 +5,14 @@ autoparallel backend and the run's prediction file use)."""
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 from torch import fx
 
+from ..graph_dump import collective_kind
+from .bucketing_compat import WAIT
 from .collectives import Collective, find_collectives
 from .cost_model import CostModel, Timeline, Transfer, prefix_times, simulate
 
@@ -46,6 +49,10 @@ class Layout:
     prefix: list[float]
     stable: list[int]
     """Positions of nodes that stay where they are (anchors for inserted nodes), ascending."""
+    fixed: list[Transfer] = dataclasses.field(default_factory=list)
+    """The collectives the planners do not move (tensor-parallel activations, all-reduces,
+    all-to-alls, gradients the in-graph optimizer reads), where the traced graph issues and waits for
+    them: on the communication stream from issue to wait, compute stalling at the wait."""
 
     def anchor(self, position: int) -> fx.Node:
         i = bisect.bisect_left(self.stable, position)
@@ -61,14 +68,31 @@ class Layout:
         return max(lo, min(p, hi))
 
 
+def fixed_transfers(order: list[fx.Node], planned: set[fx.Node], model: CostModel) -> list[Transfer]:
+    """Every collective with one wait that is not in `planned`, issued and waited for where the graph
+    has it. A wait that directly follows its collective blocks compute for the collective's time; a
+    wait further down (a gradient reduce-scatter first read by the in-graph optimizer) lets the
+    collective overlap the compute in between."""
+    pos = {n: i for i, n in enumerate(order)}
+    fixed = []
+    for i, n in enumerate(order):
+        kind = collective_kind(n)
+        waits = [u for u in n.users if u.target is WAIT]
+        if kind is None or n in planned or len(waits) != 1:
+            continue
+        fixed.append(Transfer(i, pos[waits[0]], model.collective_node_time(n, kind), model.hw.launch_s))
+    return fixed
+
+
 def layout(gm: fx.GraphModule, colls: list[Collective], model: CostModel) -> Layout:
     order = list(gm.graph.nodes)
     moving = {c.start for c in colls} | {c.wait for c in colls}
     for c in colls:
         moving.update(c.chain)
-    times = [0.0 if n in moving else model.node_time(n) for n in order]
+    fixed = fixed_transfers(order, {c.start for c in colls}, model)
+    times = model.graph_times(order, moving | {order[t.issue] for t in fixed})
     stable = [i for i, n in enumerate(order) if n not in moving and n.op != "placeholder"]
-    return Layout(order, prefix_times(times), stable)
+    return Layout(order, prefix_times(times), stable, fixed)
 
 
 def size_runs(colls: list[Collective], cap: Callable[[Collective], int]) -> list[Bucket]:
@@ -140,7 +164,7 @@ def transfers(buckets: list[Bucket], model: CostModel) -> list[Transfer]:
 
 
 def estimate(buckets: list[Bucket], lay: Layout, model: CostModel) -> Timeline:
-    return simulate(lay.prefix, transfers(buckets, model))
+    return simulate(lay.prefix, transfers(buckets, model) + lay.fixed)
 
 
 def saturating_cap(model: CostModel, scale: float = 1.0) -> Callable[[Collective], int]:

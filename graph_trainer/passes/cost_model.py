@@ -5,20 +5,30 @@ prediction file, on the numbers of `graph_trainer.hardware` (the solver prices w
   process group's ranks: `(n-1) * latency + (n-1)/n * bytes / bandwidth` for all-gather and
   reduce-scatter (twice that for all-reduce), with the link of the mesh dimension (inside one node
   of `gpus_per_node` ranks, or across nodes).
-- Compute: a roofline per aten node, `max(FLOPs / achieved FLOP/s, bytes moved / achieved memory
-  bandwidth)`; views cost nothing. With `fused=True` (the graph will be compiled whole by Inductor)
-  pointwise and reduction ops are charged only for writing their output, since their inputs stay in
-  registers inside fused kernels. Every kernel costs at least the hardware's per-kernel floor (`launch_s`).
+- Compute: a roofline per kernel on the GPU, `max(FLOPs / achieved FLOP/s, bytes moved / achieved
+  memory bandwidth)`; views cost nothing. The host launches kernels one after another at `launch_s`
+  each and the GPU runs a kernel once it is launched and the previous one is done (`graph_times`):
+  small kernels queued behind a long one cost their GPU time, a run of small kernels the launches.
+  Run op by op (no Inductor), every aten op is one kernel that reads its inputs and writes its output.
+  With `fused=True` (the graph will be compiled whole by Inductor) the fusible ops (pointwise,
+  reductions, casts, copies into inputs and the ops Inductor lowers to those) are grouped into the kernels
+  Inductor emits (`fusion_groups`): one memory pass and one launch per group, reading what the group
+  takes from outside once and writing only what is read outside it (or what it mutates). Matmuls,
+  attention, collectives and the other extern kernels stay one kernel each. A single op priced alone
+  (`node_time`, the memory policy's recompute price) costs max(roofline, launch_s).
 - A timeline of one step: compute runs in graph order, collectives run one after another on one
   communication stream from the point they are issued; a wait stalls compute until its collective
-  is done. The schedulers compare plans by the simulated step time.
+  is done. The FSDP collectives are placed by the planners (`bucket_plan`); every other collective
+  is issued and waited for where the traced graph has it. The schedulers compare plans by the
+  simulated step time.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Container, Iterable, Sequence
 
 import torch
 from torch import fx
@@ -55,7 +65,104 @@ def mesh_links(meshes: Any, hw: Hardware) -> dict[str, Link]:
 
 
 _FREE_TARGETS = {torch.ops.aten._unsafe_view.default, WAIT}
-_CAST = torch.ops.aten._to_copy.default
+_aten = torch.ops.aten
+_LOWERED_TO_FUSED = {
+    # casts and copies (a copy_ into a graph input is the store of the kernel that computes its source)
+    _aten._to_copy, _aten.copy_, _aten.copy, _aten.clone,
+    # fills, computed where they are read
+    _aten.full, _aten.full_like, _aten.zeros, _aten.zeros_like, _aten.ones, _aten.ones_like, _aten.fill_,
+    _aten.scalar_tensor,
+    # decomposed by Inductor into pointwise ops and reductions (indexing becomes indirect loads)
+    _aten._softmax, _aten._log_softmax, _aten._softmax_backward_data, _aten._log_softmax_backward_data,
+    _aten.nll_loss_forward, _aten.nll_loss_backward, _aten.gather, _aten.embedding, _aten.cat, _aten.stack,
+    _aten.slice_scatter, _aten.select_scatter,
+}
+"""Ops without the pointwise or reduction tag that Inductor nonetheless emits inside fused kernels."""
+
+
+def _is_alias(node: fx.Node) -> bool:
+    """A view or a tuple element: no kernel, the same storage as its input."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and (target.is_view or target is _aten._unsafe_view.default)
+
+
+def fusible(node: fx.Node) -> bool:
+    """Whether Inductor emits `node` inside a fused kernel (else it is an extern kernel of its own:
+    matmuls, attention, collectives, scatters with accumulation, sorts)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or _is_alias(node):
+        return False
+    if collective_kind(node) is not None or target is WAIT:
+        return False
+    return torch.Tag.pointwise in target.tags or torch.Tag.reduction in target.tags or target.overloadpacket in _LOWERED_TO_FUSED
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """The node that computed the storage `node` reads (through views and tuple elements)."""
+    while _is_alias(node) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _numel(val: Any) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel()
+    if isinstance(val, (list, tuple)):
+        return max((_numel(v) for v in val), default=0)
+    return 0
+
+
+def _iteration(node: fx.Node) -> int:
+    """Elements a fused kernel iterates over for `node`: a reduction's input, any other op's output."""
+    out = _numel(node.meta.get("val"))
+    if torch.Tag.reduction in node.target.tags:
+        return max([out, *(_numel(a.meta.get("val")) for a in node.all_input_nodes)])
+    return out
+
+
+def _same_loop(a: int, b: int) -> bool:
+    """One kernel can iterate over both: equal sizes, or one a broadcast/reduction of the other. A
+    scalar joins nothing: it is shared by many kernels (the step's learning-rate scalars, the clip
+    coefficient) and would otherwise tie every parameter's update into one."""
+    if a <= 1 or b <= 1:
+        return a == b
+    return max(a, b) % min(a, b) == 0
+
+
+def fusion_groups(order: Sequence[fx.Node], skip: Container[fx.Node] = ()) -> list[list[fx.Node]]:
+    """The fused kernels of a graph (nodes in graph order), as Inductor forms them, approximately: a
+    fusible op joins the kernel of a fusible producer when it needs no extern kernel's result that
+    its producer did not already need (the same `stage`: kernels cannot fuse across a matmul,
+    attention or a collective's wait) and both iterate over compatible sizes. Nodes in `skip` (moved
+    with collectives) take part in no group."""
+    pos = {n: i for i, n in enumerate(order)}
+    stage: dict[fx.Node, int] = {}
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def find(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in order:
+        if n in skip or not fusible(n):
+            continue
+        parent[n] = n
+        sources = [_source(a) for a in n.all_input_nodes]
+        stage[n] = max((stage[s] if s in stage else pos.get(s, -1) for s in sources), default=-1)
+        size = _iteration(n)
+        for s in sources:
+            if s in stage and stage[s] == stage[n] and _same_loop(_iteration(s), size):
+                parent[find(s)] = find(n)
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for n in parent:
+        groups.setdefault(find(n), []).append(n)
+    return sorted(groups.values(), key=lambda g: pos[g[-1]])
 
 
 @dataclass
@@ -82,6 +189,10 @@ class CostModel:
     def blocking_collective_time(self, node: fx.Node, kind: str) -> float:
         """A collective the schedulers do not move (tensor-parallel activations, all-reduces,
         all-to-alls) holds compute up for its whole time: its wait directly follows in the traced graph."""
+        return self.collective_node_time(node, kind) + self.hw.launch_s
+
+    def collective_node_time(self, node: fx.Node, kind: str) -> float:
+        """Seconds of the collective `node` on its link (no launch)."""
         group_name = node.args[-1]
         link = self.links.get(group_name)
         if kind in ("all_gather", "reduce_scatter"):
@@ -90,7 +201,7 @@ class CostModel:
             size = link.size if link is not None else 1
         sent = fx.node.map_arg(node.args[0], lambda n: n.meta.get("val"))
         moved = nbytes(node.meta.get("val")) if kind == "all_gather" else nbytes(sent)
-        return self.collective_time(kind, moved, size, group_name) + self.hw.launch_s
+        return self.collective_time(kind, moved, size, group_name)
 
     def per_byte_time(self, kind: str, nbytes: int, group_size: int, group_name: str = "") -> float:
         return self.collective_time(kind, nbytes, group_size, group_name) / max(nbytes, 1)
@@ -109,27 +220,80 @@ class CostModel:
         return 2 * nbytes / self.hw.mem_bw
 
     def node_time(self, node: fx.Node) -> float:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            return 0.0
-        target = node.target
-        if target.is_view or target in _FREE_TARGETS:
+        """Seconds of one op run as its own kernel, alone: its roofline, at least the launch floor."""
+        device = self._device_time(node)
+        if device is None:
             return 0.0
         kind = collective_kind(node)
+        return device + self.hw.launch_s if kind is not None else max(device, self.hw.launch_s)
+
+    def _device_time(self, node: fx.Node) -> float | None:
+        """GPU seconds of the kernel `node` launches when run as its own kernel (None: it launches none)."""
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            return None
+        target = node.target
+        if target.is_view or target in _FREE_TARGETS:
+            return None
+        kind = collective_kind(node)
         if kind is not None:
-            return self.blocking_collective_time(node, kind)
+            return self.collective_node_time(node, kind)
         out = node.meta.get("val")
-        flops = node_flops(node)
-        # dtype casts (_to_copy) are pointwise too, though not tagged so
-        fusible = torch.Tag.pointwise in target.tags or torch.Tag.reduction in target.tags or target is _CAST
-        if self.fused and fusible:
-            moved, floor = nbytes(out), 0.0
-        else:
-            moved = nbytes(out) + sum(nbytes(a.meta.get("val")) for a in node.all_input_nodes)
-            floor = self.hw.launch_s
-        # the first tensor result's dtype (attention returns a tuple: output, logsumexp, ...)
-        tensors = [v for v in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(v, torch.Tensor)]
-        dtype = tensors[0].dtype if tensors else torch.float32
-        return max(flops / self.hw.flops(dtype), moved / self.hw.mem_bw, floor)
+        moved = nbytes(out) + sum(nbytes(a.meta.get("val")) for a in node.all_input_nodes)
+        return self._roofline(node_flops(node), moved, _dtype(out))
+
+    def _roofline(self, flops: float, moved: float, dtype: torch.dtype) -> float:
+        return max(flops / self.hw.flops(dtype), moved / self.hw.mem_bw)
+
+    def group_time(self, group: Sequence[fx.Node]) -> float:
+        """GPU seconds of one fused kernel: it reads each value it takes from outside once (not the
+        destination of a copy_, which it only writes) and writes the values read outside it, the
+        graph's outputs and what it mutates."""
+        members = set(group)
+        read: dict[fx.Node, int] = {}
+        written = 0
+        flops = 0
+        for n in group:
+            flops += node_flops(n)
+            destination = n.args[0] if n.target.overloadpacket is _aten.copy_ else None
+            for a in n.all_input_nodes:
+                if _source(a) not in members and a is not destination:
+                    read[a] = nbytes(a.meta.get("val"))
+            if not n.users or any(u not in members for u in n.users):
+                written += nbytes(n.meta.get("val"))
+        return self._roofline(flops, sum(read.values()) + written, _dtype(group[-1].meta.get("val")))
+
+    def graph_times(self, order: Sequence[fx.Node], skip: Container[fx.Node] = ()) -> list[float]:
+        """Compute seconds at each position of `order` (a graph's nodes in order; those in `skip`
+        cost nothing), such that their prefix sums are when the GPU finishes each position.
+
+        Kernels: unfused, every op; fused, every group of `fusion_groups` (at its last member) and
+        every extern op. The host launches them one after another, `launch_s` each, and the GPU runs
+        each once it is launched and the previous one is done: a kernel behind a long one launches
+        while that one runs and costs only its own GPU time, a run of small kernels the host's."""
+        kernels: dict[fx.Node, float] = {}
+        grouped: set[fx.Node] = set()
+        if self.fused:
+            for group in fusion_groups(order, skip):
+                kernels[group[-1]] = self.group_time(group)
+                grouped.update(group)
+        for n in order:
+            if n not in skip and n not in grouped and (device := self._device_time(n)) is not None:
+                kernels[n] = device
+        times = []
+        host = gpu = 0.0
+        for n in order:
+            done = gpu
+            if n in kernels:
+                host += self.hw.launch_s
+                gpu = max(gpu, host) + kernels[n]
+            times.append(gpu - done)
+        return times
+
+
+def _dtype(out: Any) -> torch.dtype:
+    """The first tensor result's dtype (attention returns a tuple: output, logsumexp, ...)."""
+    tensors = [v for v in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(v, torch.Tensor)]
+    return tensors[0].dtype if tensors else torch.float32
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
-"""The cost model's estimate of one captured graph, before any pass rewrites it: the step time
-`auto_bucketing` plans for it (`bucket_plan.planned_step`: FSDP collectives bucketed and overlapped
-with compute, other collectives blocking) and the memory it implies per rank. Only node metadata is
+"""The cost model's estimate of one captured graph as `apply_passes` receives it (the last call for a
+stage wins: in aot_fx_trace the backend's, after the parameter and activation policies, so the memory
+policy's recomputed ops are priced): the step time `auto_bucketing` plans for it
+(`bucket_plan.planned_step`: FSDP collectives bucketed and overlapped with compute, other collectives
+where the graph issues and waits for them) and the memory it implies per rank. Only node metadata is
 read (linear passes over the graph), so every capture pays milliseconds, not seconds.
 
 Memory, in bytes: parameters (the local shards the graph takes), gradients (as many bytes), AdamW's
@@ -34,7 +36,8 @@ class GraphEstimate:
     schedule: Timeline
     """The graph's step as `auto_bucketing` plans it."""
     optimizer_s: float
-    """The optimizer step after the graph (AdamW over the local shards, memory bound)."""
+    """The optimizer step after the graph (AdamW over the local shards, memory bound); 0 when the
+    update is traced into the graph (`--compile.optimizer_in_graph`), whose ops the schedule prices."""
     memory: dict[str, float]
     hardware: dict[str, Any]
 
@@ -91,7 +94,8 @@ def estimate_graph(gm: fx.GraphModule, ctx: Any) -> GraphEstimate:
         # aot's parameter inputs include each DTensor's device mesh (an opaque object): tensors only
         shards = [v for n in gm.graph.find_nodes(op="placeholder")[: ctx.num_params] if isinstance(v := n.meta.get("val"), torch.Tensor)]
         params = sum(nbytes(v) for v in shards)
-        optimizer_s = sum(v.numel() for v in shards) * OPTIMIZER_BYTES_PER_ELEMENT / model.hw.mem_bw
+        if not ctx.cfg.compile.optimizer_in_graph:
+            optimizer_s = sum(v.numel() for v in shards) * OPTIMIZER_BYTES_PER_ELEMENT / model.hw.mem_bw
         saved = _saved(gm, ctx.stage)
         dispatch = sum(nbytes(n.meta.get("val")) for n in saved if collective_kind(n) == "all_to_all")
         memory.update(params=params, grads=params, optimizer=2 * params, moe_dispatch=dispatch,
