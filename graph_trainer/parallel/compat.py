@@ -5,7 +5,8 @@ collective shapes are those of that rank, but collectives move no data, so what 
 uninitialised memory. `graph-trainer train --comm.mode fake`, `graph-trainer plan` and fake-mesh
 traces all build on it.
 
-Also the private Tensor attribute eager resharding (simple_fsdp.reshard_after_forward) finds views with.
+Also the private Tensor attribute eager resharding (simple_fsdp.reshard_after_forward) finds views with,
+and the functional collectives eager SimpleFSDP gathers with (renamed in torch 2.13).
 """
 
 from __future__ import annotations
@@ -36,3 +37,27 @@ def is_lead_process() -> bool:
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor `t` is a view of (`Tensor._base`), or None."""
     return t._base
+
+
+def all_gather_single(tensor: torch.Tensor, gather_dim: int, group: tuple) -> torch.Tensor:
+    """Functional all-gather along `gather_dim`, waited: `all_gather_single` on torch 2.13 (where the
+    older `all_gather_tensor` is deprecated), `all_gather_tensor` on 2.11."""
+    import torch.distributed._functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return _waited(gather(tensor, gather_dim=gather_dim, group=group))
+
+
+def reduce_scatter_single(tensor: torch.Tensor, reduce_op: str, scatter_dim: int, group: tuple) -> torch.Tensor:
+    """Functional reduce-scatter along `scatter_dim`, waited (`reduce_scatter_single` on torch 2.13,
+    `reduce_scatter_tensor` on 2.11)."""
+    import torch.distributed._functional_collectives as funcol
+
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return _waited(scatter(tensor, reduce_op, scatter_dim=scatter_dim, group=group))
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t

@@ -10,6 +10,13 @@ A parameter already placed by TP or EP (a DTensor on the 1-D `tp` or `ep` mesh) 
 full mesh that holds that dimension, sharded for data parallelism on its first tensor dimension that
 TP/EP does not shard: every layout is a plain `Shard` (no strided sharding), so checkpoints reshard
 across meshes with stock DCP.
+
+An eager step (`direct_gathers`) runs the same casts and collectives without DTensor's redistribute,
+whose per-call planning took about 140 us of host time (torch 2.13, CPU; 50 us the direct gather) at
+every gather (forward, recompute, regather) and again for every gradient's reduce-scatter. Under tensor
+parallelism a rank's GPU work per block halves while this host work does not: the eager step's device
+work is torchtitan's, its host work was not (bench/step_ops.py). Traced steps keep the redistribute:
+their graphs are what the passes match.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
-from .compat import view_base
+from .compat import all_gather_single, reduce_scatter_single, view_base
 from .mesh import Meshes
 
 DP_STORAGE_DIMS = ("dp_replicate", "dp_shard", "efsdp")
@@ -59,6 +66,15 @@ class ParamGather:
     mp: MixedPrecision
 
     def __call__(self, param: DTensor) -> torch.Tensor:
+        direct = self._direct_gather(param) if _DIRECT else None
+        local = self._redistribute(param) if direct is None else _GatherShard.apply(param.to_local(), direct, self.mp)
+        out = local if self.compute_mesh is None else DTensor.from_local(local, self.compute_mesh, self.compute_placements, run_check=False)
+        if _GATHERED:
+            root = _root(out)
+            _GATHERED[-1][id(root)] = (weakref.ref(root), self, param)
+        return out
+
+    def _redistribute(self, param: DTensor) -> torch.Tensor:
         replicated = [Replicate() if i in self.dp_dims else p for i, p in enumerate(param.placements)]
         forward_dtype = self.mp.param_dtype if self.mp.param_dtype != param.dtype else None
         backward_dtype = self.mp.reduce_dtype if self.mp.reduce_dtype != param.dtype else None
@@ -66,12 +82,57 @@ class ParamGather:
             param.device_mesh, replicated, forward_dtype=forward_dtype, backward_dtype=backward_dtype
         )
         grad_placements = [Partial("avg") if i in self.dp_dims else p for i, p in enumerate(param.placements)]
-        local = gathered.to_local(grad_placements=grad_placements)
-        out = local if self.compute_mesh is None else DTensor.from_local(local, self.compute_mesh, self.compute_placements, run_check=False)
-        if _GATHERED:
-            root = _root(out)
-            _GATHERED[-1][id(root)] = (weakref.ref(root), self, param)
-        return out
+        return gathered.to_local(grad_placements=grad_placements)
+
+    def _direct_gather(self, param: DTensor) -> tuple[DeviceMesh, int, int] | None:
+        """(mesh, mesh dim, tensor dim) of the one data-parallel gather `param` needs, where
+        `_GatherShard` gives what the redistribute gives: one dp mesh dimension of more than one rank,
+        sharded evenly (DTensor pads uneven shards; a replicated dimension of several ranks all-reduces
+        the gradient). None: the redistribute does it."""
+        mesh = param.device_mesh
+        gathered = [i for i in self.dp_dims if mesh.size(i) > 1]
+        if len(gathered) != 1:
+            return None
+        (i,) = gathered
+        placement = param.placements[i]
+        if type(placement) is not Shard or param.shape[placement.dim] % mesh.size(i):
+            return None
+        return mesh, i, placement.dim
+
+
+class _GatherShard(torch.autograd.Function):
+    """A parameter's local shard cast to the compute dtype and all-gathered along one mesh dimension;
+    backward: the gradient cast to the reduce dtype, reduce-scattered (average) and cast to the
+    parameter's dtype. The casts and collectives of `param.redistribute(..., forward_dtype,
+    backward_dtype)` followed by `to_local(grad_placements=Partial("avg"))`, in the same order on the
+    same values, so an eager step is bitwise the traced one."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, gather: tuple[DeviceMesh, int, int], mp: MixedPrecision) -> torch.Tensor:
+        mesh, mesh_dim, dim = gather
+        ctx.gather, ctx.reduce_dtype, ctx.param_dtype = gather, mp.reduce_dtype, shard.dtype
+        return all_gather_single(shard.to(mp.param_dtype), dim, (mesh, mesh_dim))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        mesh, mesh_dim, dim = ctx.gather
+        grad = reduce_scatter_single(grad.to(ctx.reduce_dtype).contiguous(), "avg", dim, (mesh, mesh_dim))
+        return grad.to(ctx.param_dtype), None, None
+
+
+_DIRECT: list[bool] = []
+"""Non-empty while `direct_gathers` is active."""
+
+
+@contextlib.contextmanager
+def direct_gathers() -> Iterator[None]:
+    """Parameters read inside gather through `_GatherShard` where it applies (eager steps only: a
+    trace keeps DTensor's redistribute, whose graph the passes know)."""
+    _DIRECT.append(True)
+    try:
+        yield
+    finally:
+        _DIRECT.pop()
 
 
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
