@@ -115,4 +115,8 @@ def run_local(node: fx.Node, args: Any, mesh: Any) -> tuple:
     q = args[0]
     local = torch.utils._pytree.tree_map(lambda a: a.to_local() if isinstance(a, DTensor) else a, args)
     out = node.target(*local)
-    return tuple(DTensor.from_local(o, mesh, q.placements, run_check=False) if isinstance(o, torch.Tensor) else o for o in out)
+    # Global shapes and strides as traced, not derived from the shard: a rank's batch of one may carry
+    # any stride on that size-one dimension, from which DTensor would infer a permuted global layout
+    # (as for SDPA: apply.UnitRunner._local_attention).
+    return tuple(DTensor.from_local(o, mesh, q.placements, run_check=False, shape=t.shape, stride=t.stride())
+                 if isinstance(o, torch.Tensor) else o for o, t in zip(out, node.meta["val"]))
