@@ -19,8 +19,15 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     """Make this process rank `rank` of `world_size` ranks on the fake process group."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from torch.distributed.tensor import debug
+
     if dist.is_initialized():
         dist.destroy_process_group()
+    # A mesh of an earlier group in this process compares equal to this group's mesh of the same shape
+    # and names (DeviceMesh equality ignores the rank), so DTensor's sharding caches (Python's and the
+    # C++ fast path's) would hand back output specs on the old mesh, whose coordinates are another rank's.
+    debug._clear_sharding_prop_cache()
+    debug._clear_fast_path_sharding_prop_cache()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
