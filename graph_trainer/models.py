@@ -178,6 +178,11 @@ def traceable_attention() -> Iterator[None]:
     torchtitan calls it through a class-wide `torch.compile`d function, which make_fx and
     AOTAutograd's export cannot trace into. The traced graph then holds the `flex_attention`
     higher-order op, which Inductor compiles (regional_inductor: as part of the attention region).
+
+    Uncompiled, the op's front end still runs it through a `torch.compile` with a new backend on every
+    call, so every call after a process's first recompiles; once a recompile sees another model's
+    scale or sizes, Dynamo's automatic dynamism makes the scale a tensor (a `_tensor_constant` in our
+    graph) and the sizes symbols. Traced calls keep them the Python numbers the model passes.
     """
     from torch.nn.attention.flex_attention import flex_attention
     from torchtitan.models.attention import FlexAttentionWrapper
@@ -185,7 +190,8 @@ def traceable_attention() -> Iterator[None]:
     compiled = FlexAttentionWrapper._compiled_flex_attn
     FlexAttentionWrapper._compiled_flex_attn = flex_attention
     try:
-        yield
+        with torch._dynamo.config.patch(specialize_float=True, automatic_dynamic_shapes=False):
+            yield
     finally:
         FlexAttentionWrapper._compiled_flex_attn = compiled
 

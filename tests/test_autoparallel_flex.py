@@ -34,11 +34,13 @@ flex_attention._validate_device = lambda query, key, value: None
 """
 
 
-def _flex_trace(separator: int | None):
+def _flex_trace(separator: int | None, n_heads: int = 0, dtype: torch.dtype = torch.float32):
     spec = models.get_spec("llama3")
-    model = models.build_on_meta(spec, spec.args_for("debugmodel_flex_attn", 128, n_layers=1), "cpu")
+    args = spec.args_for("debugmodel_flex_attn", 128, n_layers=1)
+    args.n_heads = n_heads or args.n_heads
+    model = models.build_on_meta(spec, args, "cpu")
     models.install_attention_masks(model, separator)
-    trace = trace_model(model, (4, 128), torch.float32, torch.device("cpu"))
+    trace = trace_model(model, (4, 128), dtype, torch.device("cpu"))
     call = next(c for c in trace.calls if c.module == "layers.0")
     node = next(n for n in trace.unit_of("layers.0").gm.graph.nodes if n.target is flex.FLEX_ATTENTION)
     return [s.kind for s in call.sources], node
@@ -62,6 +64,16 @@ def test_block_mask_is_traced_as_per_batch_inputs_with_batch_and_head_strategies
     kinds, node = _flex_trace(separator=None)
     assert kinds == ["unit", "buffer"] + ["mask"] * 8, kinds
     assert Strategy(outs=(("S0", "R"),) * 3, ins=(("S0", "R"),) * 3 + (("R", "R"),) * 8) in flex.declared_strategies(node, (2, 2))
+
+
+def test_a_model_traced_after_another_keeps_its_attention_scale_a_number():
+    """FlexAttention's front end recompiles on every call; after a model of another head size and dtype
+    (in CI: DeepSeek 16B's plan in the same worker), Dynamo made the scale a tensor input of the op,
+    a constant in the traced block (models.traceable_attention)."""
+    _flex_trace(separator=1, n_heads=4, dtype=torch.bfloat16)
+    _, node = _flex_trace(separator=1)
+    assert [n.name for n in node.graph.nodes if n.op == "get_attr"] == ["sdpa_score0", "sdpa_mask0"]
+    assert node.args[5] == 16 ** -0.5  # the debug model's head dim is 256 / 16
 
 
 @pytest.mark.slow
