@@ -382,8 +382,9 @@ def summarize(run: Run, records: list[dict], wall_s: float, rc: int, tail: str) 
         step_time_s=statistics.median(r["step_time_s"] for r in steady) if all("step_time_s" in r for r in steady) else None,
         time_to_first_step_s=records[0].get("time_to_first_step_s"),
     )
-    # the memory policy's choice (saved / recomputed / offloaded activations), where one ran
-    out.update({k: v for k, v in records[0].items() if k.startswith("ac_")})
+    # the memory policy's choice (saved / recomputed / offloaded activations), where one ran, and the first step's
+    # time by phase and graph pass
+    out.update({k: v for k, v in records[0].items() if k.startswith(("ac_", "pass_")) or k in ("trace_s", "compile_s")})
     return out
 
 

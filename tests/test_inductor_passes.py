@@ -232,6 +232,10 @@ def test_llama3_trains_like_eager(backend, nproc):
     stages = json.loads((folder / "graphs" / "summary.json").read_text())["stages"]
     assert [s["stage"] for s in stages] == STAGES[backend]
     assert stages[-1]["compiled"] is True
+    # Each pass's wall time on its stage, in the dump and the step-1 record: the time to the first step by pass.
+    for stage in stages[1:]:
+        key = f"pass_{stage['stage']}_s"
+        assert stage["report"][key] == compiled[0][key] > 0, (stage["stage"], stage["report"])
     # Collectives stay visible in every stage: 57 parameter gathers and gradient reduce-scatters, and from
     # resharding on (default policy) 45 gathers again for backward (9 parameters of each block but the last).
     for stage in stages:

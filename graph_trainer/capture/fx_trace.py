@@ -10,6 +10,7 @@ shape retraces (counted in `stats["retraces"]`) instead of reusing a graph speci
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -31,6 +32,8 @@ from ..regions import BackwardSeqNr, copy_marks_to_backward
 from ..train_step import FunctionalTrainStep, accumulate_grads, named_buffers
 from . import CaptureContext, register_capture
 from .compat import untraced_sharding_propagation
+
+logger = logging.getLogger("graph_trainer")
 
 
 class TraceError(RuntimeError):
@@ -126,6 +129,7 @@ class TracedStep:
         extra = self._extra_inputs()
         gm = trace_train_step(self.fn, locals_, self.buffers, inputs, labels, self.ctx.device, extra)
         t1 = time.perf_counter()
+        logger.info(f"traced the train step: {len(gm.graph.nodes):,} nodes in {t1 - t0:.1f} s")
         dumper.dump("traced", gm)
         pctx = PassContext(
             cfg=cfg,

@@ -8,6 +8,8 @@ imports them all.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
@@ -15,6 +17,8 @@ import torch
 from torch import fx
 
 from .step_estimate import GraphEstimate, estimate_graph
+
+logger = logging.getLogger("graph_trainer")
 
 Stage = Literal["joint", "forward", "backward", "train_step"]
 STAGES: tuple[Stage, ...] = ("joint", "forward", "backward", "train_step")
@@ -39,7 +43,8 @@ class PassContext:
     """The stage of the graph being transformed; `apply_passes` sets it."""
     report: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Figures a pass reports, by pass name: recorded with its stage in the dumps' summary.json; the
-    capture adds them to its stats (the log and the step-1 metrics record)."""
+    capture adds them to its stats (the log and the step-1 metrics record). `apply_passes` adds each
+    pass's wall seconds on each stage (`pass_<dump label>_s`): the time to the first step, by pass."""
 
 
 PassFn = Callable[[fx.GraphModule, PassContext], Any]
@@ -166,15 +171,21 @@ def apply_passes(gm: fx.GraphModule, names: list[str], ctx: PassContext, stage: 
         spec = PASSES[name]
         if stage not in spec.stages:
             continue
+        label = f"{stage}_{name}" if stage != "train_step" else name
+        start = time.perf_counter()
         result = spec.fn(result, ctx)
+        seconds = time.perf_counter() - start
+        ctx.report.setdefault(name, {})[f"pass_{label}_s"] = seconds
+        # In the log as each pass ends: a run stopped before its first step still shows where its time went.
+        logger.info(f"pass {label}: {seconds:.1f} s")
         if ctx.dumper is None:
             continue
-        label = f"{stage}_{name}" if stage != "train_step" else name
-        extra = {"report": ctx.report[name]} if name in ctx.report else {}
+        # A copy: a pass run on several stages (aot's forward and backward) reports into one dict.
+        report = dict(ctx.report[name])
         if isinstance(result, fx.GraphModule):
-            ctx.dumper.dump(label, result, **extra)
+            ctx.dumper.dump(label, result, report=report)
         elif isinstance(getattr(result, "graph_module", None), fx.GraphModule):
-            ctx.dumper.dump(label, result.graph_module, compiled=True)
+            ctx.dumper.dump(label, result.graph_module, compiled=True, report=report)
     return result
 
 
