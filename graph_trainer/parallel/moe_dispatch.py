@@ -119,6 +119,22 @@ class _WeightedSum(torch.autograd.Function):
         return grad_scores, grad_rows
 
 
+class _PermuteRows(torch.autograd.Function):
+    """`t` with its rows in the order `perm` (a permutation), whose gradient is gathered back by the inverse
+    permutation. Autograd's backward of a gather is a scatter-add, one atomic add per element though no two
+    rows meet: at DeepSeek V3 16B, 8-way EP on an H200, that index_add took 90 ms of a 983 ms step."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return t.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
 @dataclass(frozen=True)
 class DispatchPlan:
     num_experts: int
@@ -171,7 +187,7 @@ def _bounded_counts(counts: Tensor, capacity: int) -> Tensor:
 def _group_by_expert(recv: Tensor, recv_counts: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
     """Rows arrive as [peer 0: expert 0 rows, expert 1 rows, ..., padding][peer 1: ...]; the experts
     need [expert 0: rows of peer 0, peer 1, ...][expert 1: ...][padding]. Returns, for every received
-    row, its position in that order, and the rows per local expert."""
+    row, its position in that order (a permutation of the rows), and the rows per local expert."""
     ep, local_experts = recv_counts.shape
     device = recv.device
     ends = torch.cumsum(recv_counts, dim=1)
@@ -237,11 +253,12 @@ def dispatch_and_combine(
         if is_fake_process_group():
             recv_counts = _bounded_counts(recv_counts, capacity)
         dest, group_sizes = _group_by_expert(recv, recv_counts, capacity)
-        grouped = torch.zeros_like(recv).index_copy(0, dest, recv)
+        source = torch.empty_like(dest).scatter_(0, dest, torch.arange(dest.numel(), device=device))
+        grouped = _PermuteRows.apply(recv, source, dest)
     offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
     out = swiglu_experts(grouped, w1, w2, w3, offsets)
     if plan.ep_mesh is not None:
-        out = _exchange(out.index_select(0, dest), plan.ep_mesh)
+        out = _exchange(_PermuteRows.apply(out, dest, source), plan.ep_mesh)
 
     # Each kept pair's slot: its place among its peer's kept pairs (in expert order) after that peer's offset.
     sorted_peer = flat_peer[order]
