@@ -34,7 +34,7 @@ import torch
 from torch import fx
 
 from ..graph_dump import collective_kind, nbytes
-from ..flops import node_flops
+from ..flops import FLEX_ATTENTION_OPS, node_flops
 from ..hardware import Hardware, ring_collective_s, select
 
 from .bucketing_compat import WAIT
@@ -229,10 +229,13 @@ class CostModel:
 
     def _device_time(self, node: fx.Node) -> float | None:
         """GPU seconds of the kernel `node` launches when run as its own kernel (None: it launches none)."""
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            return None
         target = node.target
-        if target.is_view or target in _FREE_TARGETS:
+        if node.op != "call_function":
+            return None
+        if not isinstance(target, torch._ops.OpOverload):
+            if target not in FLEX_ATTENTION_OPS:
+                return None
+        elif target.is_view or target in _FREE_TARGETS:
             return None
         kind = collective_kind(node)
         if kind is not None:
