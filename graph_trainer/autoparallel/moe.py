@@ -74,7 +74,7 @@ _SPECS = {  # per mesh dim: (tokens, scores, expert ids, w1, w2, w3) -> output
     "hidden": (("R", "R", "R", "S1", "S2", "S1"), "P"),
 }
 _COUNT_BYTES = 8  # the per-expert counts travel as int64
-DISPATCH_KERNELS = 83
+DISPATCH_KERNELS = 85
 """Kernels of one routed-experts op, forward and backward, on one rank: the non-view aten ops of
 `dispatch_and_combine` and its gradient, the recomputed SwiGLU product included (tests/test_solver_moe.py
 traces and counts them). Routing
