@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from graph_trainer.compare import torchrun
 from graph_trainer.metrics import read_metrics
+from kernel_mix import KINDS, OTHER, kernel_mix
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 3
@@ -52,7 +53,8 @@ class Run:
     group: str = ""
     env: dict = field(default_factory=dict)
     profile: bool = False
-    """Profile one steady step (graph-trainer's --profiling): exposed communication and top kernels."""
+    """Profile one steady step: graph-trainer's --profiling (exposed communication, top kernels), torchtitan's
+    profiler on its last step; both give the step's kernel time by kind (`kernel_mix`)."""
     torchrun: bool = True
     """False: one plain process (a fake-communication run of one rank of a larger job)."""
     bound: float = 0.0
@@ -66,12 +68,13 @@ def _gt(name: str, group: str, base: list[str], extra: list[str], nproc: int = 1
 
 
 def _titan(name: str, group: str, flavor: str, batch: int, seq: int, steps: int, nproc: int, extra: list[str],
-           model: str = "gt_llama3") -> Run:
+           model: str = "gt_llama3", profile: bool = False) -> Run:
+    # a profiled run's last two steps (profiler warm-up, recorded step) are not measured: two more steps
     args = ["--model.name", model, "--model.flavor", flavor, "--training.local_batch_size", str(batch),
-            "--training.seq_len", str(seq), "--training.steps", str(steps), "--metrics.log_freq", "1",
+            "--training.seq_len", str(seq), "--training.steps", str(steps + 2 * profile), "--metrics.log_freq", "1",
             "--model.hf_assets_path", str(REPO / "graph_trainer/data/assets"), "--experimental.custom_import",
             "bench.titan_spec", "--activation_checkpoint.mode", "none", *extra]
-    return Run(name, "titan", nproc, args, group=group)
+    return Run(name, "titan", nproc, args, group=group, profile=profile)
 
 
 META_PLACED = ["--compile.autoparallel", "--compile.autoparallel_impl", "meta"]
@@ -102,7 +105,7 @@ def suite_h100(steps: int) -> list[Run]:
                     "--activation_checkpoint.selective_ac_option", "2"]
     return [
         _titan("titan eager", "1B", "1B", 4, 4096, steps, 1, []),
-        _titan("titan compile", "1B", "1B", 4, 4096, steps, 1, ["--compile.enable"]),
+        _titan("titan compile", "1B", "1B", 4, 4096, steps, 1, ["--compile.enable"], profile=True),
         _titan("titan simple_fsdp compile", "1B", "1B", 4, 4096, steps, 1, simple_fsdp, model="gt_simple_fsdp_llama3"),
         _gt("gt eager", "1B", one_b, ["--compile.mode", "eager"]),
         _gt("gt jit full", "1B", one_b, ["--compile.mode", "jit", "--compile.inductor_compilation", "full"]),
@@ -224,16 +227,17 @@ def suite_scale(steps: int) -> list[Run]:
         titan = ["--comm.mode", "fake_backend", *c.titan_mesh, *ac_flags]
         fake_env = {"NGPU": str(ranks), "LOCAL_RANK": "0", "RANK": "0"}
 
-        def titan_run(name: str, extra: list[str], titan_model: str = titan_model) -> Run:
+        def titan_run(name: str, extra: list[str], titan_model: str = titan_model, profile: bool = False) -> Run:
             titan_flavor = f"{flavor}-{c.layers}L" if c.layers else flavor
-            run = _titan(name, group, titan_flavor, local_batch, seq, n, 1, titan + extra, model=titan_model)
-            return Run(run.name, run.trainer, 1, run.args, group=group, env=fake_env, torchrun=False)
+            run = _titan(name, group, titan_flavor, local_batch, seq, n, 1, titan + extra, model=titan_model, profile=profile)
+            return Run(run.name, run.trainer, 1, run.args, group=group, env=fake_env, profile=profile, torchrun=False)
 
         trace = ["--compile.mode", "aot_fx_trace"]
         full = [*trace, "--compile.inductor_compilation", "full"]
         if model == "llama3" and ranks <= 8:
             runs.append(titan_run("titan eager", []))
-        runs.append(titan_run("titan compile", ["--compile.enable"]))
+        # profiled: the reference's kernel time by kind, beside our full Inductor's
+        runs.append(titan_run("titan compile", ["--compile.enable"], profile=True))
         if group == "8B dp8":
             runs.append(titan_run("titan simple_fsdp compile", ["--job.custom_config_module", "torchtitan.experiments.simple_fsdp.job_config",
                                                                 "--compile.enable"], "gt_simple_fsdp_llama3"))
@@ -257,6 +261,14 @@ def suite_scale(steps: int) -> list[Run]:
             # Inductor's fused step peaks at 122.9 GiB; expandable segments, to rule out fragmentation, still asked 139.8
             runs.append(Run("gt eager expandable segments", "gt", 1, base + ["--compile.mode", "eager"], group=group,
                             env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, torchrun=False))
+        if group == "8B dp4 tp2":
+            # The memory policy in place of selective AC where the rank has memory to spare (titan compile reserves
+            # 32.6 GiB of 139.8). Predicted on CPU (bench/predict_on_meta.py, h200): selective AC 489 ms of compute;
+            # the simulated step without AC peaks at 57.0 GiB; a 40 GiB budget recomputes 53 ms' worth (475 ms), a
+            # 48 GiB one 7.5 ms' worth (432 ms). The measured peak runs about 7 GiB under the simulated one (8B dp8).
+            for budget in ("40GiB", "48GiB"):
+                runs.append(Run(f"gt full + memory_budget {budget}", "gt", 1, base + full + MEMORY_BUDGET + [budget],
+                                group=group, torchrun=False, profile=budget == "48GiB"))
         if group == "8B dp8":
             # The memory policy in place of selective AC (its flags come later and win). The budget bounds the
             # step's peak as the pass simulates it on the traced step before Inductor: 79.3 GiB without AC
@@ -307,16 +319,25 @@ def suite_flex(steps: int) -> list[Run]:
 SUITES = {"h100": suite_h100, "h200x2": suite_h200x2, "scale": suite_scale, "flex": suite_flex}
 
 
+def _steps(run: Run) -> int:
+    return int(run.args[run.args.index("--training.steps") + 1])
+
+
 def _profiling_args(run: Run) -> list[str]:
-    steps = int(run.args[run.args.index("--training.steps") + 1])
-    return ["--profiling.enable", "--profiling.start_step", str(steps - 1), "--profiling.steps", "1"] if run.profile else []
+    if not run.profile:
+        return []
+    if run.trainer == "gt":
+        return ["--profiling.enable", "--profiling.start_step", str(_steps(run) - 1), "--profiling.steps", "1"]
+    # torchtitan's schedule: wait, warmup, then the recorded step; the last step is recorded, the one before warms up
+    return ["--profiling.enable_profiling", "--profiling.profile_freq", str(_steps(run)), "--profiling.profiler_warmup", "1",
+            "--profiling.profiler_active", "1"]
 
 
 def _command(run: Run, dump: Path) -> list[str]:
     launcher = torchrun(run.nproc) if run.torchrun else [sys.executable]
     if run.trainer == "gt":
         return launcher + ["-m", "graph_trainer", "train", "--job.dump_folder", str(dump), *run.args, *_profiling_args(run)]
-    return launcher + ["-m", "torchtitan.train", "--job.dump_folder", str(dump), *run.args]
+    return launcher + ["-m", "torchtitan.train", "--job.dump_folder", str(dump), *run.args, *_profiling_args(run)]
 
 
 _TITAN_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+|nan|inf).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+)%")
@@ -332,6 +353,10 @@ def _records(run: Run, dump: Path, output: str) -> list[dict]:
         if m:
             records.append({"step": int(m[1]), "loss": float(m[2]), "peak_memory_gib": float(m[3]),
                             "tokens_per_second": float(m[4].replace(",", "")), "mfu": float(m[5])})
+    if run.profile:
+        # the profiler's warm-up and recorded steps (see _profiling_args) are left out of the throughput
+        for r in records:
+            r["profiled"] = r["step"] >= _steps(run) - 1
     return records
 
 
@@ -342,12 +367,14 @@ def _error_lines(output: str) -> str:
 
 
 def _profile(dump: Path) -> dict:
+    traces = [dump / "profile" / "trace.json", *sorted(dump.glob("profile_traces/iteration_*/rank0_trace.json"))]
+    mix = {"kernel_mix": kernel_mix(traces[-1])} if traces[-1].exists() else {}
     path = dump / "profile" / "summary.json"
     if not path.exists():
-        return {}
+        return mix
     summary = json.loads(path.read_text())
     return {"exposed_comm_share": summary["exposed_comm_share"], "profiled_step_ms": summary["step_time_ms"],
-            "busy_ms": summary["busy_ms"], "kernel_ms": summary["kernel_ms"], "top_kernels": summary["top_kernels"][:8]}
+            "busy_ms": summary["busy_ms"], "kernel_ms": summary["kernel_ms"], "top_kernels": summary["top_kernels"][:8], **mix}
 
 
 def _prediction(dump: Path) -> dict:
@@ -487,9 +514,24 @@ def write_report(results: list[dict], suite: str, out: Path, device: str, comman
                       f"kernels busy {r['busy_ms']:.1f} ms, kernel time {r['kernel_ms']:.1f} ms):", "",
                   "| kernel | calls | ms | share of kernel time |", "|---|---|---|---|"]
         lines += [f"| `{k['name'][:90]}` | {k['count']} | {k['ms_per_step']:.2f} | {100 * k['share_of_kernel_time']:.1f}% |" for k in r["top_kernels"]]
+    lines += _kernel_mix_tables(results)
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     _plot(results, stem)
     return stem
+
+
+def _kernel_mix_tables(results: list[dict]) -> list[str]:
+    """Per group, the profiled runs' kernel time by kind side by side (ms per step)."""
+    lines = []
+    for group in dict.fromkeys(r["group"] for r in results if r.get("kernel_mix")):
+        runs = [r for r in results if r["group"] == group and r.get("kernel_mix")]
+        lines += ["", f"Kernel time of one profiled step by kind, {group} (ms; bench/kernel_mix.py):", "",
+                  "| kind | " + " | ".join(r["name"] for r in runs) + " |", "|---" * (len(runs) + 1) + "|"]
+        for kind in [k for k, _ in KINDS] + [OTHER]:
+            if any(r["kernel_mix"].get(kind) for r in runs):
+                lines.append(f"| {kind} | " + " | ".join(f"{r['kernel_mix'].get(kind, 0.0):.1f}" for r in runs) + " |")
+        lines.append("| total | " + " | ".join(f"{sum(r['kernel_mix'].values()):.1f}" for r in runs) + " |")
+    return lines
 
 
 def _plot(results: list[dict], stem: Path) -> None:
