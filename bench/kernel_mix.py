@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 # first match wins: Inductor's templates (FlexAttention, and its GEMM templates when autotuned in) before its
-# other Triton kernels; cuDNN's attention before GEMMs, whose names share "sm90"
+# other Triton kernels, attention before GEMMs (attention kernels run matmuls too)
 KINDS = [
     ("collectives", re.compile(r"nccl", re.I)),
     ("attention (cuDNN / flash)", re.compile(r"cudnn|sdpa|flash|fmha", re.I)),

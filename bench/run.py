@@ -14,7 +14,9 @@ Throughput is the median tokens/s per GPU of the steps after the warm-up; MFU is
 peak of the spec sheet (989 TFLOP/s for H100 SXM and H200, torchtitan's table); peak memory is the
 allocator's peak active bytes for graph-trainer and the peak reserved bytes torchtitan logs. Runs marked
 `profile` profile their second-to-last step (graph-trainer's --profiling: exposed communication and the
-top kernels go into the report; that step is left out of the throughput median).
+top kernels go into the report) or, torchtitan's, their last (two steps added for the profiler); profiled
+steps are left out of the throughput median, and both trainers' kernel time by kind goes into the report
+(`bench/kernel_mix.py`).
 """
 
 from __future__ import annotations
@@ -367,6 +369,7 @@ def _error_lines(output: str) -> str:
 
 
 def _profile(dump: Path) -> dict:
+    # ours, or torchtitan's recorded iteration
     traces = [dump / "profile" / "trace.json", *sorted(dump.glob("profile_traces/iteration_*/rank0_trace.json"))]
     mix = {"kernel_mix": kernel_mix(traces[-1])} if traces[-1].exists() else {}
     path = dump / "profile" / "summary.json"
