@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -232,7 +232,7 @@ def suite_scale(steps: int) -> list[Run]:
         def titan_run(name: str, extra: list[str], titan_model: str = titan_model, profile: bool = False) -> Run:
             titan_flavor = f"{flavor}-{c.layers}L" if c.layers else flavor
             run = _titan(name, group, titan_flavor, local_batch, seq, n, 1, titan + extra, model=titan_model, profile=profile)
-            return Run(run.name, run.trainer, 1, run.args, group=group, env=fake_env, profile=profile, torchrun=False)
+            return replace(run, env=fake_env, torchrun=False)
 
         trace = ["--compile.mode", "aot_fx_trace"]
         full = [*trace, "--compile.inductor_compilation", "full"]
