@@ -274,14 +274,18 @@ def suite_scale(steps: int) -> list[Run]:
         if group == "8B dp8":
             # The memory policy in place of selective AC (its flags come later and win). The budget bounds the
             # step's peak as the pass simulates it on the traced step before Inductor: 79.3 GiB without AC
-            # (11.2 GiB of parameters, AdamW moments and batch held throughout; 57.3 GiB of activations), 41.6
-            # GiB at least (the fp32 logits' transients around the loss). Inductor's fusion left the measured
-            # peak about 5.7 GiB under the simulated one, so 45 GiB aims at selective AC's 40.0 GiB.
-            runs.append(Run("gt full + memory_budget 45GiB", "gt", 1, base + full + MEMORY_BUDGET + ["45GiB"],
-                            group=group, torchrun=False, profile=True))
-            # a lower budget: the 45 GiB run measured 37.0 GiB active, the pass's simulation being conservative
-            runs.append(Run("gt full + memory_budget 42GiB", "gt", 1, base + full + MEMORY_BUDGET + ["42GiB"],
-                            group=group, torchrun=False))
+            # (11.2 GiB of parameters, AdamW moments and batch held throughout; 57.3 GiB of activations).
+            # Predicted on CPU (bench/predict_on_meta.py, h200): selective AC 929 ms of compute, 42 GiB 896 ms,
+            # 45 GiB 877 ms; Inductor's fusion leaves the measured peak some GiB under the simulated one.
+            for budget in ("42GiB", "43GiB", "44GiB", "45GiB"):
+                runs.append(Run(f"gt full + memory_budget {budget}", "gt", 1, base + full + MEMORY_BUDGET + [budget],
+                                group=group, torchrun=False, profile=budget == "45GiB"))
+        if group == "70B dp32":
+            # The memory policy in place of full AC: predicted 7,687 ms of compute at 62 GiB (torchtitan compile
+            # reserves 62.9), 7,429 at 80 GiB, against full AC's 8,305 (bench/predict_on_meta.py, h200).
+            for budget in ("62GiB", "80GiB"):
+                runs.append(Run(f"gt full + memory_budget {budget}", "gt", 1, base + full + MEMORY_BUDGET + [budget],
+                                group=group, torchrun=False))
     return runs
 
 

@@ -55,6 +55,7 @@ def trace_llama(*flags: str) -> tuple[fx.GraphModule, PassContext]:
     from graph_trainer.parallel.simple_fsdp import MixedPrecision
     from graph_trainer.placement import place_model
     from graph_trainer.losses import cross_entropy
+    from graph_trainer.parallel import apply_activation_checkpointing
     from graph_trainer.train_step import FunctionalTrainStep, named_buffers
 
     cfg = parse_args(["--compile.mode", "aot_fx_trace", "--parallelism.dp_shard", "2", *flags])
@@ -63,6 +64,8 @@ def trace_llama(*flags: str) -> tuple[fx.GraphModule, PassContext]:
     args = spec.args_for("debugmodel", 256, 0)
     model = place_model(models.build_on_meta(spec, args, "cpu"), spec, args, meshes,
                         MixedPrecision(torch.float32, torch.float32), cfg)
+    ac = cfg.activation_checkpoint
+    apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, cfg.compile.mode)
     step = FunctionalTrainStep(model, cross_entropy)
     params = [p.to_local() for p in model.parameters()]
     _, buffers = named_buffers(model)

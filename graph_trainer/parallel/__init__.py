@@ -35,7 +35,7 @@ OP_SAC_SAVE_LIST = {
 
 
 BLOCK_KEY = "ac_block"
-"""`node.meta["custom"]` key: the transformer block a traced op ran in (for op-level selective AC)."""
+"""`node.meta["custom"]` key: the transformer block a traced op ran in (for the `memory_policy` pass)."""
 
 
 def _mark_blocks(model: nn.Module) -> None:
@@ -49,10 +49,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, option: str, com
     """torchtitan's checkpoint wrappers, except where the `memory_policy` pass decides on the traced
     step instead: `memory_budget`, and op-level selective AC in aot_fx_trace, where make_fx would
     only tag the ops (no partitioner reads tags in one train-step graph); there the blocks are
-    marked for the pass."""
-    if mode in ("none", "memory_budget"):
+    marked for the pass (its recomputations stay within a block)."""
+    if mode == "none":
         return
-    if mode == "selective" and option == "op" and compile_mode == "aot_fx_trace":
+    if mode == "memory_budget" or mode == "selective" and option == "op" and compile_mode == "aot_fx_trace":
         _mark_blocks(model)
         return
     from torchtitan.config import ActivationCheckpoint as TitanAC

@@ -90,6 +90,19 @@ def forward_end(gm: fx.GraphModule) -> int:
     return order.index(first)
 
 
+def forward_derived(wait: fx.Node, pos: dict[fx.Node, int], boundary: int) -> dict[fx.Node, fx.Node]:
+    """Forward nodes computed from a gathered value alone (views, casts), each mapped to its one input."""
+    parent: dict[fx.Node, fx.Node] = {}
+    frontier = [wait]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.op == "call_function" and pos[user] <= boundary and user.all_input_nodes == [node]:
+                parent[user] = node
+                frontier.append(user)
+    return parent
+
+
 def find_collectives(gm: fx.GraphModule) -> list[Collective]:
     order = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(order)}

@@ -19,8 +19,13 @@ Two policies:
   graph; earlier microbatches' gradients under accumulation). While the peak exceeds the budget,
   recompute, among the activations live at the peak, the storage that frees the most bytes per second
   of recomputation (time from the cost model's roofline), re-scoring lazily and re-simulating once per
-  round of choices. When recomputing what helps cannot bring the peak under the budget, one warning
-  gives the peak reached. The simulation counts the unfused graph: a backend that fuses ops (Inductor)
+  round of choices. Each recomputation is one transformer block's ops from values saved anyway: what a
+  block hands on (the residual stream) is saved, since a chain through blocks would rebuild every
+  earlier block's values at the first backward read and hold them until their own backward. A
+  recomputation that reads a parameter backward gathers again (`reshard_after_forward`) gathers it
+  again, merged with backward's own gather, so forward's gathered copy still dies in forward; a gather
+  it adds (a parameter backward does not read, such as the embedding table) is priced into its cost.
+  When recomputing what helps cannot bring the peak under the budget, one warning gives the peak reached. The simulation counts the unfused graph: a backend that fuses ops (Inductor)
   materializes fewer transients, so the measured peak is lower than the simulated one. In `aot` the
   min-cut partitioner chooses instead, under its own knob: the share of its activations to keep, set
   to the budget less 4x the parameter shards (no simulation).
@@ -63,7 +68,7 @@ from ..graph_dump import is_collective, nbytes
 from ..hardware import Hardware, select
 from ..parallel import BLOCK_KEY, OP_SAC_SAVE_LIST
 from ..units import GiB, parse_memory_budget
-from .collectives import forward_end
+from .collectives import find_collectives, forward_derived, forward_end
 from .cost_model import CostModel
 from .liveness import Profile, Simulator, Step, alias_of, graph_schedule, simulate
 from .transfers import Transfer, insert_transfers, place, windows, with_transfers
@@ -145,6 +150,7 @@ class Activations:
         mutated = {self.roots[n.args[0]] for n in self.order if _mutates(n) and n.args and isinstance(n.args[0], fx.Node)}
         self.recomputable = {n for n in self.forward if self._recomputable(n, mutated)}
         self.offloadable = {n for n in self.forward if self._offloadable(n, mutated)}
+        self.gathered, self.twin = _regathered(gm, self.pos, boundary)
         self.inputs = {n: n.all_input_nodes for n in self.order}
         self.steps: list[Step] = [(n, n, {i: i for i in self.inputs[n]}) for n in self.order]
         """The graph as it stands, as a `liveness` schedule."""
@@ -171,11 +177,45 @@ class Activations:
             return False
         return all(m is node or not any(self.is_backward(u) for u in m.users) for m in self.by_root[node])
 
+    def new_gathers(self, chain: set[fx.Node]) -> set[fx.Node]:
+        """The forward all-gathers whose copies recomputing `chain` adds to backward (those backward
+        gathers again anyway are merged with their twins)."""
+        starts = {self.gathered[i] for n in chain for i in self.inputs[n] if i in self.gathered}
+        return {s for s in starts if s not in self.twin}
+
     def is_backward(self, node: fx.Node) -> bool:
         return node.op == "call_function" and self.pos[node] > self.pos_of_loss
 
     def root_bytes(self, root: fx.Node) -> int:
         return nbytes(root.meta.get("val")) if root in self.forward else 0
+
+
+def _regathered(gm: fx.GraphModule, pos: dict[fx.Node, int], boundary: int) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, fx.Node]]:
+    """The parameters backward does not read from forward's gather (`reshard_after_forward` gathers
+    them again, or backward does not need them): each value of their forward gather (start, wait and
+    what forward derives from it alone) mapped to the gather's start; and for the start and wait of
+    each, those of the first backward gather of the same shard (its twin).
+
+    A recomputation reading one of these values gathers again rather than keep the forward copy
+    alive into backward; where a twin runs later, the rewrite merges the two (the same collective
+    on the same shard gives the same value), so backward still gathers each parameter once."""
+    gathers = [c for c in find_collectives(gm) if c.kind == "all_gather"]
+    later: dict[tuple, Any] = {}
+    for c in gathers:
+        if pos[c.start] > boundary:
+            later.setdefault(tuple(c.start.args), c)
+    gathered: dict[fx.Node, fx.Node] = {}
+    twin: dict[fx.Node, fx.Node] = {}
+    for c in gathers:
+        if pos[c.start] > boundary:
+            continue
+        values = [c.start, c.wait, *forward_derived(c.wait, pos, boundary)]
+        if any(pos[u] > boundary for v in values[1:] for u in v.users):
+            continue
+        gathered.update((v, c.start) for v in values)
+        if (b := later.get(tuple(c.start.args))) is not None:
+            twin[c.start], twin[c.wait] = b.start, b.wait
+    return gathered, twin
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -226,30 +266,41 @@ NEVER = Offload("never", Hardware())
 
 def schedule(acts: Activations, recompute: set[fx.Node]) -> list[Step]:
     """The graph as `recompute_in_backward` will leave it, without rewriting it: recomputed copies
-    (keyed `(RECOMPUTED, node)`) just before their first backward reader, forward values nothing
-    reads any more left out."""
+    (keyed `(RECOMPUTED, node)`) just before their first backward reader, with the gathers of the
+    parameters they read (`Activations.gathered`: the twin's values where it ran already, else a
+    copy that takes the twin's place); forward values nothing reads any more left out."""
     gone: set[fx.Node] = set()
     for node in reversed(acts.order):
         if node in recompute and all(acts.is_backward(u) or u in gone for u in node.users):
             gone.add(node)
     steps: list[Step] = []
-    copies: dict[fx.Node, tuple[str, fx.Node]] = {}
+    copies: dict[fx.Node, Any] = {}
+    ran: set[fx.Node] = set()
+    merged: dict[fx.Node, Any] = {}
+    """Twins replaced by an earlier copy, and the key of that copy."""
 
     def materialize(node: fx.Node) -> Any:
-        if node not in recompute:
-            return node
+        if node not in recompute and node not in acts.gathered:
+            return merged.get(node, node)
         if node not in copies:
+            twin = acts.twin.get(node)
+            if twin in ran:
+                copies[node] = twin
+                return twin
             for i in acts.inputs[node]:
                 materialize(i)
             copies[node] = (RECOMPUTED, node)
             steps.append((copies[node], node, {i: copies.get(i, i) for i in acts.inputs[node]}))
+            if twin is not None:
+                merged[twin] = copies[node]
         return copies[node]
 
     for step in acts.steps:
         node = step[1]
-        if node in gone:
+        ran.add(node)
+        if node in gone or node in merged:
             continue
-        if acts.is_backward(node) and any(i in recompute for i in acts.inputs[node]):
+        if acts.is_backward(node) and any(i in recompute or i in merged for i in acts.inputs[node]):
             steps.append((node, node, {i: materialize(i) for i in acts.inputs[node]}))
         else:
             steps.append(step)
@@ -378,7 +429,10 @@ def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callab
     `MAX_MISSES` such rounds in a row end the search."""
     ledger = _Ledger(acts)
     baseline = ledger.bytes
-    keep = lambda n: False  # noqa: E731  (the budget policy may recompute through any intermediate)
+    # A chain that crossed blocks would rebuild earlier blocks' values at the first backward read and hold
+    # them until their own block's backward (through every block, the whole forward at once): the values
+    # a block hands on are saved, so each recomputation is one block's ops from its saved inputs.
+    edges = _block_edges(acts)
     simulator = Simulator()
     times: dict[fx.Node, float] = {}
 
@@ -399,13 +453,17 @@ def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callab
 
     def score(root: fx.Node) -> tuple[float, set[fx.Node]] | None:
         members = ledger.members(root)
-        chain = ledger.closure(members, keep) if members else None
+        if any(m in edges for m in members):
+            return None
+        chain = ledger.closure(members, edges.__contains__) if members else None
         if not chain:
             return None
         freed = -ledger.delta(chain)
         if freed <= 0:
             return None
-        return freed / max(sum(node_time_of(n) for n in chain), 1e-12), chain
+        # A gather the chain adds is traffic a real job pays for (no twin to merge with).
+        cost = sum(node_time_of(n) for n in chain) + sum(node_time_of(s) for s in acts.new_gathers(chain))
+        return freed / max(cost, 1e-12), chain
 
     heap: list[tuple[float, int, fx.Node]] = []
 
@@ -506,13 +564,24 @@ def _choose_offloads(acts: Activations, ledger: _Ledger, profile: Profile, budge
     return chosen
 
 
+def _blocks(acts: Activations) -> dict[fx.Node, Any]:
+    """The transformer block each forward activation was computed in (`BLOCK_KEY`; None outside blocks)."""
+    return {n: n.meta.get("custom", {}).get(BLOCK_KEY) for n in acts.forward}
+
+
+def _block_edges(acts: Activations) -> set[fx.Node]:
+    """The activations a block hands to code outside it (the residual stream between blocks)."""
+    block_of = _blocks(acts)
+    return {n for n in acts.forward if any(block_of.get(u) != block_of[n] for u in n.users if u in acts.forward)}
+
+
 def plan_op_policy(acts: Activations, save_ops: set[Any], node_time: Callable[[fx.Node], float]) -> Policy:
     """torchtitan's op-level SAC, per block (`node.meta["custom"]["ac_block"]`): keep the outputs of
     `save_ops` (of matmuls only the 1st, 3rd, ... of each block, as torchtitan counts them) and the
     values a block hands to other code; recompute every other recomputable op of the blocks."""
-    block_of = {n: n.meta.get("custom", {}).get(BLOCK_KEY) for n in acts.forward}
+    block_of = _blocks(acts)
     mm_count: dict[Any, int] = {}
-    keep: set[fx.Node] = set()
+    keep = _block_edges(acts)
     for node in acts.order:
         block = block_of.get(node)
         if block is None:
@@ -522,8 +591,6 @@ def plan_op_policy(acts: Activations, save_ops: set[Any], node_time: Callable[[f
             if mm_count[block] % 2:
                 keep.add(node)
         elif node.target in save_ops:
-            keep.add(node)
-        if any(block_of.get(u) != block for u in node.users if u in acts.forward):
             keep.add(node)
     ledger = _Ledger(acts)
     baseline = ledger.bytes
@@ -539,23 +606,33 @@ def plan_op_policy(acts: Activations, save_ops: set[Any], node_time: Callable[[f
 
 def recompute_in_backward(gm: fx.GraphModule, acts: Activations, recompute: set[fx.Node]) -> fx.GraphModule:
     """Point every backward read of a recomputed value at a copy of its chain, emitted just before
-    the first backward op that needs it (and shared by later ones)."""
+    the first backward op that needs it (and shared by later ones); a parameter the chain reads is
+    gathered again there, or read from its backward gather where that ran already (`schedule`)."""
     graph = gm.graph
     copies: dict[fx.Node, fx.Node] = {}
+    ran: set[fx.Node] = set()
+    merged: dict[fx.Node, fx.Node] = {}
 
     def materialize(node: fx.Node) -> fx.Node:
-        if node not in recompute:
+        if node not in recompute and node not in acts.gathered:
             return node
         if node not in copies:
+            twin = acts.twin.get(node)
+            if twin in ran:
+                copies[node] = twin
+                return twin
             for i in node.all_input_nodes:
                 materialize(i)
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: copies.get(n, n))
             new = graph.create_node("call_function", node.target, args, kwargs, name=f"recompute_{node.name}")
             new.meta = {**node.meta, "memory_policy": RECOMPUTED}
             copies[node] = new
+            if twin is not None:
+                merged[twin] = new
         return copies[node]
 
     for node in list(graph.nodes):
+        ran.add(node)
         if not acts.is_backward(node):
             continue
         wanted = [i for i in node.all_input_nodes if i in recompute]
@@ -564,6 +641,10 @@ def recompute_in_backward(gm: fx.GraphModule, acts: Activations, recompute: set[
         with graph.inserting_before(node):
             for i in wanted:
                 node.replace_input_with(i, materialize(i))
+    # The twins' readers come after the copies that replace them (waits before their starts).
+    for twin in sorted(merged, key=acts.pos.__getitem__, reverse=True):
+        twin.replace_all_uses_with(merged[twin])
+        graph.erase_node(twin)
     # Forward values only backward read are now computed for nothing.
     for node in reversed(acts.order):
         if node in recompute and not node.users:

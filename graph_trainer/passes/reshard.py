@@ -28,7 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..parallel.simple_fsdp import resharded_params
 from .bucket_merge import emit
 from .bucketing_compat import ALL_GATHER, WAIT
-from .collectives import Collective, find_collectives, forward_end
+from .collectives import Collective, find_collectives, forward_derived, forward_end
 from .registry import GRAPH_MODES, PassContext, PassSpec, register_pass
 
 FLAG = "--parallelism.reshard_after_forward"
@@ -57,19 +57,6 @@ def _gathers(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[Collective, boo
     return found
 
 
-def _forward_derived(wait: fx.Node, pos: dict[fx.Node, int], boundary: int) -> dict[fx.Node, fx.Node]:
-    """Forward nodes computed from the gathered value alone, each mapped to its one input."""
-    parent: dict[fx.Node, fx.Node] = {}
-    frontier = [wait]
-    while frontier:
-        node = frontier.pop()
-        for user in node.users:
-            if user.op == "call_function" and pos[user] <= boundary and user.all_input_nodes == [node]:
-                parent[user] = node
-                frontier.append(user)
-    return parent
-
-
 def _regather_for_backward(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     boundary = forward_end(gm)
@@ -78,7 +65,7 @@ def _regather_for_backward(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     for c, reshard in _gathers(gm, ctx):
         if not reshard or pos[c.start] > boundary:
             continue
-        parent = _forward_derived(c.wait, pos, boundary)
+        parent = forward_derived(c.wait, pos, boundary)
         values = [c.wait, *parent]
         late_uses = {v: [u for u in v.users if pos[u] > boundary] for v in values}
         late_uses = {v: us for v, us in late_uses.items() if us}
