@@ -25,8 +25,10 @@ Two policies:
   recomputation that reads a parameter backward gathers again (`reshard_after_forward`) gathers it
   again, merged with backward's own gather, so forward's gathered copy still dies in forward; a gather
   it adds (a parameter backward does not read, such as the embedding table) is priced into its cost.
-  When recomputing what helps cannot bring the peak under the budget, one warning gives the peak reached. The simulation counts the unfused graph: a backend that fuses ops (Inductor)
-  materializes fewer transients, so the measured peak is lower than the simulated one. In `aot` the
+  When recomputing what helps cannot bring the peak under the budget, one warning gives the peak
+  reached. The simulation counts the unfused graph: a backend that fuses ops (Inductor) materializes
+  fewer transients, so the measured peak is often lower than the simulated one; passes after this one
+  that prefetch gathered parameters (bucketing) can make it higher. In `aot` the
   min-cut partitioner chooses instead, under its own knob: the share of its activations to keep, set
   to the budget less 4x the parameter shards (no simulation).
 - `op` (`--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op`):
@@ -68,7 +70,7 @@ from ..graph_dump import is_collective, nbytes
 from ..hardware import Hardware, select
 from ..parallel import BLOCK_KEY, OP_SAC_SAVE_LIST
 from ..units import GiB, parse_memory_budget
-from .collectives import find_collectives, forward_derived, forward_end
+from .collectives import Collective, find_collectives, forward_derived, forward_end
 from .cost_model import CostModel
 from .liveness import Profile, Simulator, Step, alias_of, graph_schedule, simulate
 from .transfers import Transfer, insert_transfers, place, windows, with_transfers
@@ -200,7 +202,7 @@ def _regathered(gm: fx.GraphModule, pos: dict[fx.Node, int], boundary: int) -> t
     alive into backward; where a twin runs later, the rewrite merges the two (the same collective
     on the same shard gives the same value), so backward still gathers each parameter once."""
     gathers = [c for c in find_collectives(gm) if c.kind == "all_gather"]
-    later: dict[tuple, Any] = {}
+    later: dict[tuple, Collective] = {}
     for c in gathers:
         if pos[c.start] > boundary:
             later.setdefault(tuple(c.start.args), c)
