@@ -28,6 +28,12 @@ FLEX = ["--model.flavor", "debugmodel_flex_attn", "--model.n_layers", "2", "--tr
         "--training.batch_size", "4", "--metrics.progress_bar", "false", "--compile.mode", "aot_fx_trace",
         "--parallelism.dp_shard", "2"]
 
+REPRODUCIBLE_BLAS = child_env(MKL_CBWR="COMPATIBLE")
+"""For the bitwise comparison of a placed model's forward with a plain one's: on an AMD EPYC with AVX-512
+(2026-11-24) they differed in the last bit (1e-7 relative) under MKL's default code paths, at the commit
+before as well; with MKL's conditional numerical reproducibility in its compatible (SSE2) mode they are
+equal bit for bit (MKL_CBWR=AVX2 or AUTO,STRICT are not enough)."""
+
 _CPU_FLEX_BACKWARD = """
 import torch.nn.attention.flex_attention as flex_attention
 flex_attention._validate_device = lambda query, key, value: None
@@ -84,10 +90,14 @@ def test_auto_placed_flex_trains_like_manual_simple_fsdp(tmp_path):
     proc = launch(["train", "--job.dump_folder", str(tmp_path / "manual"), *FLEX, "--training.steps", "3"], nproc=2, script=str(launcher))
     assert proc.returncode == 0, proc.stderr[-3000:]
     manual = read_metrics(tmp_path / "manual")
-    # The same dense FlexAttention and matmuls on the same shards: the losses are equal bit for bit.
-    assert len(auto) == 3 and losses(auto) == losses(manual), (losses(auto), losses(manual))
+    # The same dense FlexAttention and matmuls on the same shards: the first loss is equal bit for bit.
+    assert len(auto) == 3 and losses(auto)[0] == losses(manual)[0], (losses(auto), losses(manual))
     # The gradient reductions differ in order (SimpleFSDP's reduce-scatter of each parameter, DTensor's
-    # of the plan's layouts): 7e-5 relative measured, bounded at 3x that.
+    # of the plan's layouts): 7e-5 relative on the norms measured, bounded at 3x that. The updates they
+    # feed can then differ in the last bit, and so the later losses: 6e-8 relative measured (AMD EPYC,
+    # 2026-11-24; equal on the machine before), bounded at 1e-6.
+    for a, m in zip(losses(auto)[1:], losses(manual)[1:]):
+        assert abs(a - m) <= 1e-6 * m, (losses(auto), losses(manual))
     for a, m in zip(grad_norms(auto), grad_norms(manual)):
         assert abs(a - m) <= 2e-4 * m, (grad_norms(auto), grad_norms(manual))
 
@@ -141,7 +151,7 @@ def test_auto_placed_flex_masks_each_batch_by_its_own_documents(tmp_path):
     under a's mask, which a mask baked into the graph at its trace would give."""
     script = tmp_path / "two_batches.py"
     script.write_text(_TWO_BATCHES)
-    proc = launch([str(tmp_path / "out"), *FLEX], nproc=2, script=str(script))
+    proc = launch([str(tmp_path / "out"), *FLEX], nproc=2, script=str(script), env=REPRODUCIBLE_BLAS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the two ranks' prints may share a line of the launcher's output
     number = r"([-+0-9.e]+)"
