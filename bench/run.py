@@ -192,16 +192,29 @@ class ScaleConfig:
     the per-layer work of a deep model, profiled in a fraction of the call."""
     profile_all: bool = False
     """Profile every graph-trainer run (else only the best configuration)."""
+    memory_budgets: tuple[str, ...] = ()
+    """Runs of the memory policy (`--activation_checkpoint.mode memory_budget`) in place of `ac`, at these budgets."""
+    profiled_budget: str = ""
+    """The one of them profiled."""
 
 
 # the issue's four configs, and 70B cut to 8 layers to profile where its step goes
 SCALE_CONFIGS = [
+    # The budget bounds the step's peak as the memory policy simulates it on the traced step before Inductor: at
+    # 8B dp8 79.3 GiB without AC (11.2 GiB of parameters, AdamW moments and batch held throughout; 57.3 GiB of
+    # activations). Predicted on CPU (bench/predict_on_meta.py, h200): selective AC 929 ms of compute, 42 GiB 896
+    # ms, 45 GiB 877 ms; Inductor's fusion leaves the measured peak some GiB under the simulated one.
     ScaleConfig("8B dp8", 8, "llama3", "8B", 1, 8192, ["--parallelism.dp_shard", "8"],
-                ["--parallelism.data_parallel_shard_degree", "8"], "selective", 1.0),
+                ["--parallelism.data_parallel_shard_degree", "8"], "selective", 1.0,
+                memory_budgets=("42GiB", "43GiB", "44GiB", "45GiB"), profiled_budget="45GiB"),
+    # where the rank has memory to spare (titan compile reserves 32.6 GiB of 139.8): selective AC 489 ms of compute;
+    # the simulated step without AC peaks at 57.0 GiB; 40 GiB recomputes 53 ms' worth (475 ms), 48 GiB 7.5 ms' (432 ms)
     ScaleConfig("8B dp4 tp2", 8, "llama3", "8B", 1, 8192, ["--parallelism.dp_shard", "4", "--parallelism.tp", "2"],
-                ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2"], "selective", 1.0),
+                ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2"], "selective", 1.0,
+                memory_budgets=("40GiB", "48GiB"), profiled_budget="48GiB"),
+    # predicted 7,687 ms of compute at 62 GiB (torchtitan compile reserves 62.9), 7,429 at 80 GiB, full AC 8,305
     ScaleConfig("70B dp32", 32, "llama3", "70B", 1, 8192, ["--parallelism.dp_shard", "32"],
-                ["--parallelism.data_parallel_shard_degree", "32"], "full", 0.5),
+                ["--parallelism.data_parallel_shard_degree", "32"], "full", 0.5, memory_budgets=("62GiB", "80GiB")),
     ScaleConfig("70B dp32 8 layers", 32, "llama3", "70B", 1, 8192, ["--parallelism.dp_shard", "32"],
                 ["--parallelism.data_parallel_shard_degree", "32"], "full", 1.0, layers=8, profile_all=True),
     # capacity factor 2 as configs/deepseek_v3_16b.toml: at 0 (never drop) every dispatch buffer is sized for
@@ -263,29 +276,10 @@ def suite_scale(steps: int) -> list[Run]:
             # Inductor's fused step peaks at 122.9 GiB; expandable segments, to rule out fragmentation, still asked 139.8
             runs.append(Run("gt eager expandable segments", "gt", 1, base + ["--compile.mode", "eager"], group=group,
                             env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, torchrun=False))
-        if group == "8B dp4 tp2":
-            # The memory policy in place of selective AC where the rank has memory to spare (titan compile reserves
-            # 32.6 GiB of 139.8). Predicted on CPU (bench/predict_on_meta.py, h200): selective AC 489 ms of compute;
-            # the simulated step without AC peaks at 57.0 GiB; a 40 GiB budget recomputes 53 ms' worth (475 ms), a
-            # 48 GiB one 7.5 ms' worth (432 ms). The measured peak runs about 7 GiB under the simulated one (8B dp8).
-            for budget in ("40GiB", "48GiB"):
-                runs.append(Run(f"gt full + memory_budget {budget}", "gt", 1, base + full + MEMORY_BUDGET + [budget],
-                                group=group, torchrun=False, profile=budget == "48GiB"))
-        if group == "8B dp8":
-            # The memory policy in place of selective AC (its flags come later and win). The budget bounds the
-            # step's peak as the pass simulates it on the traced step before Inductor: 79.3 GiB without AC
-            # (11.2 GiB of parameters, AdamW moments and batch held throughout; 57.3 GiB of activations).
-            # Predicted on CPU (bench/predict_on_meta.py, h200): selective AC 929 ms of compute, 42 GiB 896 ms,
-            # 45 GiB 877 ms; Inductor's fusion leaves the measured peak some GiB under the simulated one.
-            for budget in ("42GiB", "43GiB", "44GiB", "45GiB"):
-                runs.append(Run(f"gt full + memory_budget {budget}", "gt", 1, base + full + MEMORY_BUDGET + [budget],
-                                group=group, torchrun=False, profile=budget == "45GiB"))
-        if group == "70B dp32":
-            # The memory policy in place of full AC: predicted 7,687 ms of compute at 62 GiB (torchtitan compile
-            # reserves 62.9), 7,429 at 80 GiB, against full AC's 8,305 (bench/predict_on_meta.py, h200).
-            for budget in ("62GiB", "80GiB"):
-                runs.append(Run(f"gt full + memory_budget {budget}", "gt", 1, base + full + MEMORY_BUDGET + [budget],
-                                group=group, torchrun=False))
+        # the memory policy in place of the config's AC (its flags come later and win)
+        for budget in c.memory_budgets:
+            runs.append(Run(f"gt full + memory_budget {budget}", "gt", 1, base + full + MEMORY_BUDGET + [budget],
+                            group=group, torchrun=False, profile=budget == c.profiled_budget))
     return runs
 
 

@@ -276,37 +276,52 @@ def schedule(acts: Activations, recompute: set[fx.Node]) -> list[Step]:
         if node in recompute and all(acts.is_backward(u) or u in gone for u in node.users):
             gone.add(node)
     steps: list[Step] = []
-    copies: dict[fx.Node, Any] = {}
-    ran: set[fx.Node] = set()
-    merged: dict[fx.Node, Any] = {}
-    """Twins replaced by an earlier copy, and the key of that copy."""
 
-    def materialize(node: fx.Node) -> Any:
-        if node not in recompute and node not in acts.gathered:
-            return merged.get(node, node)
-        if node not in copies:
-            twin = acts.twin.get(node)
-            if twin in ran:
-                copies[node] = twin
-                return twin
-            for i in acts.inputs[node]:
-                materialize(i)
-            copies[node] = (RECOMPUTED, node)
-            steps.append((copies[node], node, {i: copies.get(i, i) for i in acts.inputs[node]}))
-            if twin is not None:
-                merged[twin] = copies[node]
-        return copies[node]
+    def emit(node: fx.Node, copies: dict[fx.Node, Any]) -> Any:
+        key = (RECOMPUTED, node)
+        steps.append((key, node, {i: copies.get(i, i) for i in acts.inputs[node]}))
+        return key
 
+    rebuild = _Rebuild(acts, recompute, emit)
     for step in acts.steps:
         node = step[1]
-        ran.add(node)
-        if node in gone or node in merged:
+        rebuild.ran.add(node)
+        if node in gone or node in rebuild.merged:
             continue
-        if acts.is_backward(node) and any(i in recompute or i in merged for i in acts.inputs[node]):
-            steps.append((node, node, {i: materialize(i) for i in acts.inputs[node]}))
+        if acts.is_backward(node) and any(i in recompute or i in rebuild.merged for i in acts.inputs[node]):
+            steps.append((node, node, {i: rebuild(i) for i in acts.inputs[node]}))
         else:
             steps.append(step)
     return steps
+
+
+class _Rebuild:
+    """The copy a backward read of a recomputed value takes, made once by `emit(node, copies)` (and shared
+    by later reads) after those of its inputs: the recomputed chain, and the gather of each parameter it
+    reads (`Activations.gathered`), which is the twin's where that ran already and otherwise takes the
+    twin's place (`merged`: twin -> copy). `schedule` and `recompute_in_backward` share it, so the
+    rewrite is what the policy simulated; their loops add each node of the graph to `ran` as they pass it."""
+
+    def __init__(self, acts: Activations, recompute: set[fx.Node], emit: Callable[[fx.Node, dict], Any]):
+        self.acts, self.recompute, self.emit = acts, recompute, emit
+        self.copies: dict[fx.Node, Any] = {}
+        self.ran: set[fx.Node] = set()
+        self.merged: dict[fx.Node, Any] = {}
+
+    def __call__(self, node: fx.Node) -> Any:
+        if node not in self.recompute and node not in self.acts.gathered:
+            return self.merged.get(node, node)
+        if node not in self.copies:
+            twin = self.acts.twin.get(node)
+            if twin in self.ran:
+                self.copies[node] = twin
+                return twin
+            for i in self.acts.inputs[node]:
+                self(i)
+            self.copies[node] = self.emit(node, self.copies)
+            if twin is not None:
+                self.merged[twin] = self.copies[node]
+        return self.copies[node]
 
 
 class _Ledger:
@@ -611,30 +626,16 @@ def recompute_in_backward(gm: fx.GraphModule, acts: Activations, recompute: set[
     the first backward op that needs it (and shared by later ones); a parameter the chain reads is
     gathered again there, or read from its backward gather where that ran already (`schedule`)."""
     graph = gm.graph
-    copies: dict[fx.Node, fx.Node] = {}
-    ran: set[fx.Node] = set()
-    merged: dict[fx.Node, fx.Node] = {}
 
-    def materialize(node: fx.Node) -> fx.Node:
-        if node not in recompute and node not in acts.gathered:
-            return node
-        if node not in copies:
-            twin = acts.twin.get(node)
-            if twin in ran:
-                copies[node] = twin
-                return twin
-            for i in node.all_input_nodes:
-                materialize(i)
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: copies.get(n, n))
-            new = graph.create_node("call_function", node.target, args, kwargs, name=f"recompute_{node.name}")
-            new.meta = {**node.meta, "memory_policy": RECOMPUTED}
-            copies[node] = new
-            if twin is not None:
-                merged[twin] = new
-        return copies[node]
+    def emit(node: fx.Node, copies: dict[fx.Node, fx.Node]) -> fx.Node:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: copies.get(n, n))
+        new = graph.create_node("call_function", node.target, args, kwargs, name=f"recompute_{node.name}")
+        new.meta = {**node.meta, "memory_policy": RECOMPUTED}
+        return new
 
+    rebuild = _Rebuild(acts, recompute, emit)
     for node in list(graph.nodes):
-        ran.add(node)
+        rebuild.ran.add(node)
         if not acts.is_backward(node):
             continue
         wanted = [i for i in node.all_input_nodes if i in recompute]
@@ -642,10 +643,10 @@ def recompute_in_backward(gm: fx.GraphModule, acts: Activations, recompute: set[
             continue
         with graph.inserting_before(node):
             for i in wanted:
-                node.replace_input_with(i, materialize(i))
+                node.replace_input_with(i, rebuild(i))
     # The twins' readers come after the copies that replace them (waits before their starts).
-    for twin in sorted(merged, key=acts.pos.__getitem__, reverse=True):
-        twin.replace_all_uses_with(merged[twin])
+    for twin in sorted(rebuild.merged, key=acts.pos.__getitem__, reverse=True):
+        twin.replace_all_uses_with(rebuild.merged[twin])
         graph.erase_node(twin)
     # Forward values only backward read are now computed for nothing.
     for node in reversed(acts.order):
