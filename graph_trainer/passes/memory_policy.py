@@ -449,7 +449,7 @@ def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callab
     # A chain that crossed blocks would rebuild earlier blocks' values at the first backward read and hold
     # them until their own block's backward (through every block, the whole forward at once): the values
     # a block hands on are saved, so each recomputation is one block's ops from its saved inputs.
-    edges = _block_edges(acts)
+    edges = _block_edges(acts, _blocks(acts))
     simulator = Simulator()
     times: dict[fx.Node, float] = {}
 
@@ -586,9 +586,8 @@ def _blocks(acts: Activations) -> dict[fx.Node, Any]:
     return {n: n.meta.get("custom", {}).get(BLOCK_KEY) for n in acts.forward}
 
 
-def _block_edges(acts: Activations) -> set[fx.Node]:
+def _block_edges(acts: Activations, block_of: dict[fx.Node, Any]) -> set[fx.Node]:
     """The activations a block hands to code outside it (the residual stream between blocks)."""
-    block_of = _blocks(acts)
     return {n for n in acts.forward if any(block_of.get(u) != block_of[n] for u in n.users if u in acts.forward)}
 
 
@@ -598,7 +597,7 @@ def plan_op_policy(acts: Activations, save_ops: set[Any], node_time: Callable[[f
     values a block hands to other code; recompute every other recomputable op of the blocks."""
     block_of = _blocks(acts)
     mm_count: dict[Any, int] = {}
-    keep = _block_edges(acts)
+    keep = _block_edges(acts, block_of)
     for node in acts.order:
         block = block_of.get(node)
         if block is None:
