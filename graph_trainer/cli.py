@@ -6,6 +6,7 @@ model exists; `--help` is rendered by tyro from the config dataclasses.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -121,7 +122,11 @@ def entry_point() -> NoReturn:
     a dying interpreter and aborts the process ("terminate called without an active exception", exit
     -6) after a run that succeeded (3 times in one run of the test suite, among some 150 multi-rank runs). Everything a run
     writes is closed by then, so the process ends with its code as soon as its output is flushed.
+
+    A rank that dies of a signal (a segfault in a compiled kernel or a collective's worker thread)
+    prints every thread's Python stack first: torchrun reports only the signal.
     """
+    faulthandler.enable(all_threads=True)
     try:
         code = main()
     except SystemExit as e:

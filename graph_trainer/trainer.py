@@ -32,6 +32,7 @@ import torch.distributed as dist
 from . import models
 from .capture import CaptureContext, build_step, own_grad_norm
 from .checkpoint import Checkpointer, CheckpointError, any_rank, state_shapes
+from .clipping import clip_grad_norm_
 from .config import JobConfig, to_toml
 from .data.random_tokens import random_batch
 from .errors import print_error
@@ -280,11 +281,8 @@ class GraphTrainer:
             loss += self.step_fn(inputs, labels)
         grad_norm = own_grad_norm(self.step_fn)
         if grad_norm is None:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            from torchtitan.distributed.utils import clip_grad_norm_
-
-            max_norm = self.cfg.training.max_norm or math.inf
-            grad_norm = clip_grad_norm_(params, max_norm, foreach=True, ep_enabled=self.degrees.ep > 1)
+            grad_norm = clip_grad_norm_(list(self.model.parameters()), self.cfg.training.max_norm or math.inf,
+                                        ep_enabled=self.degrees.ep > 1)
         # After a step that updated the parameters itself no gradient is left: AdamW skips every
         # parameter and only the optimizer's step hooks run (MoE load balancing).
         self.optimizers.step()

@@ -55,24 +55,42 @@ def grad_norms(records: list[dict]) -> list[float]:
     return [r["grad_norm"] for r in records]
 
 
+_ROOT: list[Path] = []
 
-_RUNS: dict[tuple, Path] = {}
-_RUN_ROOT: list[Path] = []
+
+def _run_root() -> Path:
+    """Where cached runs live: one folder per test session, which pytest-xdist's workers share (they
+    share its test-run id), so a run two test files ask for trains once."""
+    import tempfile
+
+    session = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if session is None:
+        if not _ROOT:
+            _ROOT.append(Path(tempfile.mkdtemp(prefix="gt-runs-")))
+        return _ROOT[0]
+    root = Path(tempfile.gettempdir()) / f"gt-runs-{session}"
+    root.mkdir(exist_ok=True)
+    return root
 
 
 def cached_run(args: tuple[str, ...], nproc: int = 1) -> Path:
-    """Train once per (args, nproc) per test process and return the dump folder: parity tests share
-    their reference runs."""
-    import tempfile
+    """Train once per (args, nproc) per test session and return the dump folder: parity tests share
+    their reference runs, across test files and workers. A worker that asks for a run another is
+    training waits for it; a folder without its completion mark (a failed run) is trained again."""
+    import fcntl
+    import hashlib
+    import shutil
 
-    key = (args, nproc)
-    if key not in _RUNS:
-        if not _RUN_ROOT:
-            _RUN_ROOT.append(Path(tempfile.mkdtemp(prefix="gt-runs-")))
-        folder = _RUN_ROOT[0] / f"run{len(_RUNS)}"
-        run_train(list(args), folder, nproc=nproc)
-        _RUNS[key] = folder
-    return _RUNS[key]
+    key = hashlib.sha1(repr((args, nproc)).encode()).hexdigest()[:16]
+    folder = _run_root() / key
+    with open(folder.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = folder / ".complete"
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            run_train(list(args), folder, nproc=nproc)
+            done.touch()
+    return folder
 
 
 def cached_train(args: tuple[str, ...], nproc: int = 1) -> list[dict]:

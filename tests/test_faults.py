@@ -60,6 +60,16 @@ def test_non_finite_loss_stops_with_one_line_and_keeps_last_good_checkpoint(tmp_
     assert [r["step"] for r in read_metrics(folder)] == [1, 2, 3]
 
 
+def test_a_segfault_prints_the_python_stack_of_the_step_it_died_in(tmp_path, data):
+    proc = launch(train_args(tmp_path / "run", data, "--training.steps", "3"),
+                  env=child_env(GRAPH_TRAINER_SIGNAL_AT_STEP="2:SIGSEGV"))
+    assert proc.returncode == -signal.SIGSEGV
+    report = proc.stderr[proc.stderr.index("Fatal Python error: Segmentation fault"):]
+    assert "Current thread" in report
+    assert 'graph_trainer/trainer.py", line' in report and "in inject_test_faults" in report
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1]
+
+
 def test_sigterm_stops_after_the_step_saves_and_resumes_bitwise(tmp_path, data):
     common = ["--training.steps", "6", "--checkpoint.interval", "100"]
     straight = losses(run_train(flags(data, *common), tmp_path / "straight"))

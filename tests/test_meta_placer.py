@@ -92,9 +92,10 @@ def test_meta_places_two_ranks_under_a_tight_budget_and_trains_like_simple_fsdp(
 
 @needs_meta
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["aot_fx_trace", "aot"])
-def test_meta_places_fsdp_x_tp_on_four_ranks_and_trains(tmp_path, mode):
-    flags = [*TRAIN, "--compile.mode", mode, "--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
+def test_meta_places_fsdp_x_tp_on_four_ranks_and_trains(tmp_path):
+    """In aot_fx_trace only: aot's own path for Meta's graph (`_forward_graph`) is the two-rank test's,
+    and the same four-rank runs in aot took another 4 minutes of the suite on 2 cores."""
+    flags = [*TRAIN, "--compile.mode", "aot_fx_trace", "--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
     meta = run_train([*flags, *META], tmp_path / "meta", nproc=4)
     manual = run_train(flags, tmp_path / "manual", nproc=4)
     _assert_close_to_manual(meta, manual)

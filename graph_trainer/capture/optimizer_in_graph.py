@@ -12,9 +12,8 @@ learning rate (the LR scheduler's, from the parameter group) and the step count 
 Numerics follow torch's foreach AdamW without `capturable` (`_multi_tensor_adam`, which the eager
 trainer runs on CPU) op for op: the bias corrections and the step size are computed in float64 as it
 computes them in Python floats, and each op is the same kernel with its scalar rounded to the
-parameter's dtype as the foreach kernels round it. Clipping follows torchtitan's `clip_grad_norm_`:
-the total 2-norm over all gradient shards (with expert parallelism: of the ep and the non-ep
-parameters apart, combined), whose cross-rank reduction is a functional collective in the graph.
+parameter's dtype as the foreach kernels round it. Clipping is the eager step's (clipping.py), whose
+cross-rank reduction of the norm is a functional collective in the graph.
 """
 
 from __future__ import annotations
@@ -23,14 +22,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from ..clipping import clip_coefficient, total_norm
 from ..train_step import FunctionalTrainStep, ParamSpec
 from . import CaptureContext
 from .fx_trace import TracedStep
-
-EP_DIM = "ep"
-"""A parameter on a mesh with this dimension is an expert parameter (torchtitan's rule for clipping)."""
 
 
 @dataclass(frozen=True)
@@ -43,25 +39,12 @@ class AdamWHyper:
     """Clip to this total norm; inf: report the norm, scale nothing (the coefficient clamps to 1)."""
 
 
-def _total_norm(grads: Sequence[DTensor]) -> torch.Tensor:
-    norm = torch.nn.utils.get_total_norm(list(grads), 2.0, False, True)
-    # A sharded gradient's norm is a partial DTensor: full_tensor() is the all-reduce, in the graph.
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
 def clip_gradients(grads: Sequence[torch.Tensor], specs: Sequence[ParamSpec], max_norm: float, ep_enabled: bool
                    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(total norm, clipped local gradients), as torchtitan's clip_grad_norm_ computes them."""
-    wrapped = [s.wrap(g) for s, g in zip(specs, grads)]
-    if ep_enabled:
-        is_ep = [EP_DIM in (s.mesh.mesh_dim_names or ()) for s in specs]
-        ep_norm = _total_norm([g for g, e in zip(wrapped, is_ep) if e])
-        dense_norm = _total_norm([g for g, e in zip(wrapped, is_ep) if not e])
-        total = (ep_norm**2.0 + dense_norm**2.0) ** 0.5
-    else:
-        total = _total_norm(wrapped)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    return total, [g * coef for g in grads]
+    """(total norm, clipped local gradients), as the eager step computes them (clipping.py)."""
+    norm = total_norm([s.wrap(g) for s, g in zip(specs, grads)], ep_enabled)
+    coef = clip_coefficient(norm, max_norm)
+    return norm, [g * coef for g in grads]
 
 
 @dataclass(frozen=True)
