@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from graph_trainer.compare import torchrun
@@ -61,8 +65,6 @@ _ROOT: list[Path] = []
 def _run_root() -> Path:
     """Where cached runs live: one folder per test session, which pytest-xdist's workers share (they
     share its test-run id), so a run two test files ask for trains once."""
-    import tempfile
-
     session = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if session is None:
         if not _ROOT:
@@ -77,10 +79,6 @@ def cached_run(args: tuple[str, ...], nproc: int = 1) -> Path:
     """Train once per (args, nproc) per test session and return the dump folder: parity tests share
     their reference runs, across test files and workers. A worker that asks for a run another is
     training waits for it; a folder without its completion mark (a failed run) is trained again."""
-    import fcntl
-    import hashlib
-    import shutil
-
     key = hashlib.sha1(repr((args, nproc)).encode()).hexdigest()[:16]
     folder = _run_root() / key
     with open(folder.with_suffix(".lock"), "w") as lock:
