@@ -319,6 +319,8 @@ class GraphTrainer:
                 inject_test_faults(self.env.rank, self.step, self.model)
                 reset_peak_memory(self.device)
                 profiler.before_step(self.step)
+                # The scheduler steps at the end of train_step: read afterwards, this would be the next step's LR.
+                lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
                 loss, grad_norm, step_counts = self.train_step()
                 profiler.after_step(self.step)
                 if not self.fake and not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -333,7 +335,6 @@ class GraphTrainer:
                         write_prediction(self.cfg.job.dump_folder, self.degrees.world_size)
                     first = False
                 if self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps:
-                    lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
                     records.append(metrics.log(self.step, loss, grad_norm, lr, tokens_per_step, extra))
                     writers.write(records[-1])
                 stop = any_rank(signals.received is not None, self.device)

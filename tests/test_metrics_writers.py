@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import child_env, launch, run_train
+from helpers import cached_run, child_env, launch
 
 from graph_trainer.metrics import read_metrics
 from graph_trainer.metrics_writers import wandb_missing
@@ -20,12 +20,23 @@ MOE = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.n
        "--training.batch_size", "4", "--training.seq_len", "64", "--training.steps", "3", "--compile.mode", "eager"]
 
 
-def test_tensorboard_holds_every_step_of_metrics_jsonl(tmp_path):
+TENSORBOARD = (*MOE, "--metrics.enable_tensorboard")
+
+
+def test_logged_lr_is_the_one_the_step_used():
+    """The default schedule (peak 8e-4, 2 warm-up steps, linear decay to 0 over the rest) gives steps 1..3
+    the factors 1/2, 2/2, 1 (decay starts at 1); the factor after the last step, 0, is used by no step."""
+    records = read_metrics(cached_run(TENSORBOARD))
+    assert [r["lr"] for r in records] == [4e-4, 8e-4, 8e-4]
+
+
+def test_tensorboard_holds_every_step_of_metrics_jsonl():
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    records = run_train([*MOE, "--metrics.enable_tensorboard"], tmp_path)
+    folder = cached_run(TENSORBOARD)
+    records = read_metrics(folder)
     assert [r["step"] for r in records] == [1, 2, 3]
-    events = EventAccumulator(str(tmp_path / "tb"))
+    events = EventAccumulator(str(folder / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     # mfu is only known on a GPU; a MoE model reports dropped tokens.
