@@ -120,12 +120,13 @@ class Parallelism:
 
 @dataclass
 class Compile:
-    mode: Literal["eager", "jit", "aot", "aot_fx_trace"] = "eager"
-    """How the train step is captured."""
+    mode: Literal["eager", "jit", "aot", "aot_fx_trace"] = "aot_fx_trace"
+    """How the train step is captured (aot_fx_trace: forward, loss and backward as one traced graph)."""
     passes: list[str] = field(default_factory=list)
-    """Graph passes in order, comma separated (see --compile.list_passes)."""
-    inductor_compilation: Literal["none", "regional", "full", "autoparallel_backend"] = "none"
-    """Backend the traced train step goes to."""
+    """Graph passes in order, comma separated (see --compile.list_passes). Empty: the overlap schedule in multi-rank
+    aot_fx_trace (separate_gather_group, transformer_block_bucketing), nothing otherwise; `none`: no pass."""
+    inductor_compilation: Literal["auto", "none", "regional", "full", "autoparallel_backend"] = "auto"
+    """Backend the traced train step goes to; auto = full (whole-step Inductor) on GPUs, none (FX) on CPU."""
     autoparallel: bool = False
     """Let the built-in solver choose placements on the mesh the parallelism degrees define."""
     autoparallel_impl: Literal["builtin", "meta"] = "builtin"
@@ -198,6 +199,22 @@ class Metrics:
 
 
 @dataclass
+class Validation:
+    enable: bool = False
+    """Every `freq` steps and at the last, the loss and perplexity on held-out data (forward only), logged as
+    validation_loss / validation_perplexity. Needs dataset_path or split."""
+    dataset_path: str = ""
+    """Validation data: a .txt, .jsonl or .parquet file or a folder of them, as training.dataset_path."""
+    split: float = 0.0
+    """Hold out this share of the training documents (the last ones) for validation: training never sees them,
+    with validation enabled or not. 0: none (then give dataset_path)."""
+    freq: int = 10
+    """Validate every this many steps (and at the last step)."""
+    steps: int = 10
+    """Batches per validation, each of training.batch_size sequences, from the start of the validation data each time."""
+
+
+@dataclass
 class Profiling:
     enable: bool = False
     """Profile a few steps: Chrome trace and summary.json (top kernels, exposed communication) under <dump_folder>/profile/."""
@@ -232,6 +249,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
 

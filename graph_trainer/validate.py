@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import models
 from .config import ConfigError, JobConfig
+from .defaults import resolve
 from .units import parse_memory_budget
 
 
@@ -244,16 +245,19 @@ _CHECKS_AFTER_MESH = (check_model, check_training, check_activation_checkpoint, 
 
 
 def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | None = None) -> tuple[int, int, int, int]:
-    """Raise ConfigError for the first problem found; return the resolved mesh degrees."""
+    """Raise ConfigError for the first problem found; return the resolved mesh degrees. The checks
+    see the configuration the job will run: its `auto` settings resolved (defaults.py)."""
     from .parallel.mesh import device_type as detect_device
 
     check_comm(cfg)
     if world_size is None:
         world_size = cfg.comm.fake_world_size if cfg.comm.mode == "fake" else world_size_from_env()
+    device_type = device_type or detect_device()
+    cfg = resolve(cfg, device_type, world_size)
     degrees = check_mesh(cfg, world_size)
     for check in _CHECKS_AFTER_MESH:
         check(cfg, degrees)
-    check_compile(cfg, device_type or detect_device())
+    check_compile(cfg, device_type)
     return degrees
 
 

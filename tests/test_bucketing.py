@@ -23,7 +23,7 @@ from helpers import cached_run, grad_norms, losses, read_metrics
 
 from graph_trainer.config import ConfigError, parse_args
 from graph_trainer.graph_dump import BUCKET_META, summarize
-from graph_trainer.passes.block_bucketing import block_of
+from graph_trainer.passes.bucket_plan import block_of
 from graph_trainer.hardware import CPU_GLOO, H100
 from graph_trainer.passes.bucket_merge import rewrite
 from graph_trainer.passes.bucket_plan import Bucket, layout, place

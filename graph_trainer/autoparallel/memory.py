@@ -32,7 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..flops import node_flops
 from ..parallel.mesh import DP_DIMS
-from ..passes.block_bucketing import block_of
+from ..passes.bucket_plan import block_of
 
 Kept = dict[str, dict[int, float]]
 """Node name -> {output position: bytes kept for backward per byte of that output}."""

@@ -1,11 +1,12 @@
-"""Planning: which collectives share a bucket, where each bucket is issued and waited for, and the
-step time the cost model expects from the plan (the one estimator the scheduling passes, the
+"""Planning: which collectives share a bucket (by size, or one bucket per transformer block), where
+each bucket is issued and waited for, and the step time the cost model expects from the plan (the one estimator the scheduling passes, the
 autoparallel backend and the run's prediction file use)."""
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -80,7 +81,7 @@ def fixed_transfers(order: list[fx.Node], planned: set[fx.Node], model: CostMode
         waits = [u for u in n.users if u.target is WAIT]
         if kind is None or n in planned or len(waits) != 1:
             continue
-        fixed.append(Transfer(i, pos[waits[0]], model.collective_node_time(n, kind), model.hw.launch_s))
+        fixed.append(Transfer(i, pos[waits[0]], model.collective_node_time(n, kind), model.hw.launch_s, channel=n.args[-1]))
     return fixed
 
 
@@ -159,7 +160,8 @@ def transfers(buckets: list[Bucket], model: CostModel) -> list[Transfer]:
         else:
             copy_in, copy_out = model.copy_time(b.nbytes), 0.0
         out.append(Transfer(b.issue, b.wait, _comm_time(b, model),
-                            model.hw.launch_s + (copy_in if merged else 0.0), copy_out if merged else 0.0))
+                            model.hw.launch_s + (copy_in if merged else 0.0), copy_out if merged else 0.0,
+                            b.members[0].group_name))
     return out
 
 
@@ -205,3 +207,73 @@ def saturating_plan(gm: fx.GraphModule, model: CostModel) -> tuple[list[Bucket],
 def planned_step(gm: fx.GraphModule, model: CostModel) -> Timeline:
     """The step `auto_bucketing` expects for this graph (compute alone without FSDP collectives)."""
     return estimate(*saturating_plan(gm, model), model)
+
+
+# Per-block plans: one bucket per transformer block and kind (transformer_block_bucketing; the
+# autoparallel backend's scheduling weighs them against the size-based plans above).
+
+_BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def block_of(fqn: str) -> int | None:
+    match = _BLOCK.search(fqn)
+    return int(match.group(1)) if match else None
+
+
+def _param_index(c: Collective, placeholders: dict[fx.Node, int], num_params: int) -> int | None:
+    if c.kind == "all_gather":
+        index = placeholders.get(c.placeholder)
+    else:
+        index = None if c.output_index is None else c.output_index - 1
+    return index if index is not None and 0 <= index < num_params else None
+
+
+def block_buckets(gm: fx.GraphModule, colls: list[Collective], fqns: list[str]) -> list[Bucket]:
+    """Collectives grouped by (kind, block or run of non-block parameters, collective key)."""
+    placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    buckets: list[Bucket] = []
+    for kind, order_by in (("all_gather", "need"), ("reduce_scatter", "ready")):
+        groups: dict[tuple, list[Collective]] = {}
+        run, previous_block = 0, -1
+        for c in sorted((c for c in colls if c.kind == kind), key=lambda c: getattr(c, order_by)):
+            index = _param_index(c, placeholders, len(fqns))
+            block = block_of(fqns[index]) if index is not None else None
+            if block is None and previous_block is not None:
+                run += 1
+            previous_block = block
+            groups.setdefault((c.key, "block" if block is not None else "rest", block if block is not None else run), []).append(c)
+        buckets += [Bucket(members) for members in groups.values()]
+    return buckets
+
+
+PREFETCH_DEPTHS = (1, 2, 3)
+
+
+def place_per_block(buckets: list[Bucket], depth: int = 1) -> None:
+    gathers = sorted((b for b in buckets if b.kind == "all_gather"), key=lambda b: b.need)
+    for k, b in enumerate(gathers):
+        b.issue = max(b.ready, gathers[k - depth].need) if k >= depth else b.ready
+        b.wait = b.need
+    scatters = sorted((b for b in buckets if b.kind == "reduce_scatter"), key=lambda b: b.ready)
+    for k, b in enumerate(scatters):
+        b.issue = b.ready
+        b.wait = scatters[k + 1].ready if k + 1 < len(scatters) else max(m.need for m in b.members)
+
+
+def gathered_in_flight(buckets: list[Bucket]) -> int:
+    """The most all-gathered bytes issued and not yet consumed at once."""
+    gathers = [b for b in buckets if b.kind == "all_gather"]
+    return max((sum(g.nbytes for g in gathers if g.issue <= b.issue < g.need or g is b) for b in gathers), default=0)
+
+
+def block_plans(gm: fx.GraphModule, colls: list[Collective], fqns: list[str], lay: Layout,
+                model: CostModel) -> list[tuple[tuple[float, int], list[Bucket]]]:
+    """The per-block plan at each prefetch depth that fits in flight, scored (step seconds, depth)."""
+    plans = []
+    for depth in PREFETCH_DEPTHS:
+        buckets = block_buckets(gm, colls, fqns)
+        place_per_block(buckets, depth)
+        if depth > 1 and gathered_in_flight(buckets) > model.hw.max_in_flight_bytes:
+            break
+        plans.append(((round(estimate(buckets, lay, model).step_s, 9), depth), buckets))
+    return plans

@@ -5,8 +5,9 @@ with the same merge (bucket_merge.py).
   model says it is bandwidth-bound (its latency term at most 10% of its time), then every bucket is
   placed to overlap compute (see `bucket_plan.place`).
 - `autoparallel_scheduling` (the autoparallel backend's step): the bucket size is chosen among
-  multiples of that size by the simulated step time of the whole schedule, with compute estimated as
-  Inductor will run it (fused pointwise ops), since the backend compiles the whole graph afterwards.
+  multiples of that size, and against one bucket per transformer block at each prefetch depth, by
+  the simulated step time of the whole schedule, with compute estimated as Inductor will run it
+  (fused pointwise ops), since the backend compiles the whole graph afterwards.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import fx
 
 from ..config import ConfigError
 from .bucket_merge import rewrite
-from .bucket_plan import Bucket, Layout, choose_buckets, estimate, layout, saturating_plan
+from .bucket_plan import Bucket, Layout, block_of, block_plans, choose_buckets, estimate, layout, saturating_plan
 from .bucketing_compat import META_AUTOPARALLEL_INSTALL, meta_autobucketing
 from .collectives import find_collectives
 from .cost_model import CostModel
@@ -81,7 +82,14 @@ def autoparallel_scheduling(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
         return gm
     model = CostModel.for_context(ctx, fused=True)
     lay = layout(gm, colls, model)
-    return schedule(gm, choose_buckets(colls, lay, model), lay, model, "autoparallel_scheduling")
+    by_size = choose_buckets(colls, lay, model)
+    plans = [(estimate(by_size, lay, model).step_s, 1, by_size)]
+    fqns = list(ctx.param_fqns[: ctx.num_params])
+    if ctx.stage == "train_step" and any(block_of(f) is not None for f in fqns):
+        # one bucket per block, preferred on ties: fewer collectives, and the same plan on every graph
+        plans += [(step_s, 0, buckets) for (step_s, _), buckets in block_plans(gm, colls, fqns, lay, model)]
+    _, _, buckets = min(plans, key=lambda p: (round(p[0], 9), p[1]))
+    return schedule(gm, buckets, lay, model, "autoparallel_scheduling")
 
 
 _BUCKETING = ("auto_bucketing", "transformer_block_bucketing", "autoparallel_scheduling")

@@ -4,7 +4,8 @@ prediction file, on the numbers of `graph_trainer.hardware` (the solver prices w
 - Collectives: `hardware.ring_collective_s`, a latency-bandwidth model of a ring collective on the
   process group's ranks: `(n-1) * latency + (n-1)/n * bytes / bandwidth` for all-gather and
   reduce-scatter (twice that for all-reduce), with the link of the mesh dimension (inside one node
-  of `gpus_per_node` ranks, or across nodes).
+  of `gpus_per_node` ranks, or across nodes): the hardware's figures, or, on a real multi-GPU job,
+  what `parallel/links.probe` measured on that dimension at start-up.
 - Compute: a roofline per kernel on the GPU, `max(FLOPs / achieved FLOP/s, bytes moved / achieved
   memory bandwidth)`; views cost nothing. The host launches kernels one after another at `launch_s`
   each and the GPU runs a kernel once it is launched and the previous one is done (`graph_times`):
@@ -16,9 +17,11 @@ prediction file, on the numbers of `graph_trainer.hardware` (the solver prices w
   takes from outside once and writing only what is read outside it (or what it mutates). Matmuls,
   attention, collectives and the other extern kernels stay one kernel each. A single op priced alone
   (`node_time`, the memory policy's recompute price) costs max(roofline, launch_s).
-- A timeline of one step: compute runs in graph order, collectives run one after another on one
-  communication stream from the point they are issued; a wait stalls compute until its collective
-  is done. The FSDP collectives are placed by the planners (`bucket_plan`); every other collective
+- A timeline of one step: compute runs in graph order, collectives run one after another on their
+  communicator's stream from the point they are issued (two communicators run at once: the FSDP
+  all-gathers on their own, passes/gather_group.py); a wait stalls compute until its collective
+  is done. Two communicators that are busy together share one link: each is priced at its full
+  rate, which is optimistic where both are bandwidth-bound. The FSDP collectives are placed by the planners (`bucket_plan`); every other collective
   is issued and waited for where the traced graph has it. The schedulers compare plans by the
   simulated step time.
 """
@@ -36,6 +39,7 @@ from torch import fx
 from ..graph_dump import collective_kind, nbytes
 from ..flops import FLEX_ATTENTION_OPS, node_flops
 from ..hardware import Hardware, ring_collective_s, select
+from ..parallel.links import made_twins, measured_link
 
 from .bucketing_compat import WAIT
 
@@ -44,6 +48,9 @@ from .bucketing_compat import WAIT
 class Link:
     size: int
     inter_host: bool
+    bytes_per_s: float | None = None
+    """Measured (parallel/links.probe); None: the hardware's figure for the link kind."""
+    latency_s: float | None = None
 
 
 def mesh_links(meshes: Any, hw: Hardware) -> dict[str, Link]:
@@ -60,7 +67,13 @@ def mesh_links(meshes: Any, hw: Hardware) -> dict[str, Link]:
         for dim in range(mesh.ndim):
             group = mesh.get_group(dim)
             ranks = torch.distributed.get_process_group_ranks(group)
-            links[group.group_name] = Link(len(ranks), len({r // per_host for r in ranks}) > 1)
+            measured = measured_link(group.group_name)
+            links[group.group_name] = Link(len(ranks), len({r // per_host for r in ranks}) > 1,
+                                           measured and measured.bytes_per_s, measured and measured.latency_s)
+    # the all-gathers' twin communicators (made by passes/gather_group.py, never by pricing) share the link
+    for name, twin in made_twins().items():
+        if name in links:
+            links[twin] = links[name]
     return links
 
 
@@ -178,7 +191,10 @@ class CostModel:
 
     def _link(self, group_name: str) -> tuple[float, float]:
         link = self.links.get(group_name)
-        return self.hw.link(link is not None and link.inter_host)
+        bandwidth, latency = self.hw.link(link is not None and link.inter_host)
+        if link is not None and link.bytes_per_s is not None:
+            return link.bytes_per_s, link.latency_s
+        return bandwidth, latency
 
     def collective_time(self, kind: str, nbytes: int, group_size: int, group_name: str = "") -> float:
         """Seconds for one ring collective; `nbytes` is the unsharded size (gathered output,
@@ -310,6 +326,8 @@ class Transfer:
     """Compute-side time spent at the issue point (launch, copy into the bucket)."""
     wait_cost_s: float = 0.0
     """Compute-side time spent after the wait (copies out of the bucket)."""
+    channel: str = ""
+    """The communicator (process group name): collectives of one run one after another."""
 
 
 @dataclass(frozen=True)
@@ -329,8 +347,8 @@ def prefix_times(times: Sequence[float]) -> list[float]:
 
 
 def simulate(prefix: Sequence[float], transfers: Iterable[Transfer]) -> Timeline:
-    """Step time of compute (prefix times over positions) with the given collectives: FIFO on one
-    communication stream in issue order, stalling compute at each wait until its collective is done."""
+    """Step time of compute (prefix times over positions) with the given collectives: FIFO per
+    communicator in issue order, stalling compute at each wait until its collective is done."""
     events = []
     for i, t in enumerate(transfers):
         events.append((t.issue, 0, i, t))
@@ -338,14 +356,14 @@ def simulate(prefix: Sequence[float], transfers: Iterable[Transfer]) -> Timeline
     events.sort(key=lambda e: (e[0], e[1], e[2]))
     extra = 0.0
     stalled = 0.0
-    comm_free = 0.0
+    comm_free: dict[str, float] = {}
     comm_total = 0.0
     done: dict[int, float] = {}
     for pos, is_wait, i, t in events:
         now = prefix[min(pos, len(prefix) - 1)] + extra
         if not is_wait:
-            start = max(now, comm_free)
-            comm_free = done[i] = start + t.comm_s
+            start = max(now, comm_free.get(t.channel, 0.0))
+            comm_free[t.channel] = done[i] = start + t.comm_s
             comm_total += t.comm_s
             extra += t.issue_cost_s
         else:
@@ -353,5 +371,5 @@ def simulate(prefix: Sequence[float], transfers: Iterable[Transfer]) -> Timeline
             stalled += stall
             extra += stall + t.wait_cost_s
     end = prefix[-1] + extra
-    tail = max(0.0, comm_free - end)
+    tail = max(0.0, max(comm_free.values(), default=0.0) - end)
     return Timeline(end + tail, prefix[-1], stalled + tail, comm_total)

@@ -1,0 +1,59 @@
+"""The settings left to `auto`, resolved for the device and rank count a job runs on: one place, so
+the validator checks, the trainer runs and `config.toml` records the same configuration.
+
+- `--compile.inductor_compilation auto`: `full` on GPUs (the measured-best backend: whole-step
+  Inductor), `none` on CPU, where the traced step runs as FX, bitwise equal to eager, without
+  Inductor's C++ compile at every start.
+- `--compile.passes` left empty in a multi-rank aot_fx_trace job whose parameters are sharded: the
+  overlap schedule, `separate_gather_group` (all-gathers on their own communicator) then
+  `transformer_block_bucketing` (one bucket per block, prefetch chosen by the cost model); with
+  `autoparallel_backend`, whose own scheduling pass buckets, only the first. `--compile.passes none`
+  runs the step without any pass of ours; any other list is taken as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .config import JobConfig
+
+OVERLAP_SCHEDULE = ("separate_gather_group", "transformer_block_bucketing")
+NO_PASSES = "none"
+
+
+def _backend(cfg: JobConfig, device_type: str) -> str:
+    if cfg.compile.inductor_compilation != "auto":
+        return cfg.compile.inductor_compilation
+    return "full" if device_type == "cuda" else "none"
+
+
+def _sharded(cfg: JobConfig, world_size: int) -> bool:
+    """Whether parameters are sharded over data-parallel ranks (FSDP all-gathers to schedule)."""
+    p = cfg.parallelism
+    dp_shard = world_size // (p.dp_replicate * p.tp) if p.dp_shard == -1 else p.dp_shard
+    return world_size > 1 and dp_shard > 1
+
+
+def _passes(cfg: JobConfig, backend: str, world_size: int) -> list[str]:
+    passes = list(cfg.compile.passes)
+    if passes == [NO_PASSES]:
+        return []
+    if passes or cfg.compile.mode != "aot_fx_trace" or not _sharded(cfg, world_size):
+        return passes
+    return list(OVERLAP_SCHEDULE[:1] if backend == "autoparallel_backend" else OVERLAP_SCHEDULE)
+
+
+def resolve(cfg: JobConfig, device_type: str, world_size: int) -> JobConfig:
+    """A copy of `cfg` with every `auto` setting decided. Run once per job: an empty pass list
+    resolves to the schedule, so a resolved `none` is recorded as such (`for_record`)."""
+    backend = _backend(cfg, device_type)
+    compile_ = dataclasses.replace(cfg.compile, inductor_compilation=backend, passes=_passes(cfg, backend, world_size))
+    return dataclasses.replace(cfg, compile=compile_)
+
+
+def for_record(cfg: JobConfig) -> JobConfig:
+    """The resolved config as `config.toml` keeps it: a job without passes says `none`, so that the
+    file given back with --config runs the same passes."""
+    if cfg.compile.passes:
+        return cfg
+    return dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, passes=[NO_PASSES]))

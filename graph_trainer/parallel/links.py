@@ -1,0 +1,135 @@
+"""The job's communicators beyond the mesh's own, and what its links measure.
+
+- `gather_twins`: a second communicator for every mesh dimension, over the same ranks. NCCL runs one
+  communicator's collectives one after another on its stream; the FSDP all-gathers on the twin run
+  beside the reduce-scatters (passes/gather_group.py).
+- `probe`: the bandwidth and latency of each mesh dimension's link, timed once at start-up with
+  all-gathers of two sizes and fitted to the ring model the cost model prices collectives with
+  (hardware.ring_collective_s: `steps * latency + (ranks - 1) / ranks * bytes / bandwidth`). Every
+  rank takes the slowest rank's times (an all-reduce of the timings), so every rank derives the same
+  schedule from the same graph: ranks that planned differently would deadlock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("graph_trainer")
+
+
+@dataclass(frozen=True)
+class Measured:
+    bytes_per_s: float
+    latency_s: float
+    """Seconds per ring step."""
+
+
+_TWINS: dict[str, str] = {}
+_MEASURED: dict[str, Measured] = {}
+_WORLD: dict[str, object] = {}
+"""The default group the twins and measurements belong to: a new process group (a test's second
+job, a re-initialised fake group) starts afresh."""
+
+
+def _current(key: str, table: dict) -> dict:
+    world = dist.group.WORLD
+    if _WORLD.get(key) is not world:
+        table.clear()
+        _WORLD[key] = world
+    return table
+
+
+def mesh_dims(meshes) -> list[tuple[str, list[list[int]]]]:
+    """(this rank's group name, every group of that dimension as rank lists), for each mesh dimension
+    of more than one rank; the same dimension order on every rank."""
+    out: list[tuple[str, list[list[int]]]] = []
+    seen: set[str] = set()
+    for mesh in (meshes.dense, getattr(meshes, "sparse", None)):
+        if mesh is None:
+            continue
+        for dim in range(mesh.ndim):
+            size = mesh.mesh.shape[dim]
+            name = mesh.get_group(dim).group_name
+            if size == 1 or name in seen:
+                continue
+            seen.add(name)
+            out.append((name, mesh.mesh.movedim(dim, -1).reshape(-1, size).tolist()))
+    return out
+
+
+def gather_twins(meshes) -> dict[str, str]:
+    """Group name -> the name of its twin communicator (same ranks), made once per process group."""
+    twins = _current("twins", _TWINS)
+    if twins:
+        return twins
+    for name, groups in mesh_dims(meshes):
+        # every rank makes every group of the dimension, in the same order: no rank waits on another's choice
+        mine, _ = dist.new_subgroups_by_enumeration(groups)
+        twins[name] = mine.group_name
+    return twins
+
+
+def made_twins() -> dict[str, str]:
+    """The twins made so far in this process group (none are made here)."""
+    return dict(_current("twins", _TWINS))
+
+
+def twin_of(group_name: str) -> str | None:
+    """The mesh group a twin communicator stands in for (None for a mesh group or an unknown name)."""
+    return next((k for k, v in _current("twins", _TWINS).items() if v == group_name), None)
+
+
+PROBE_BYTES = (1 << 20, 64 << 20)
+"""Gathered sizes timed: the small one is latency-bound, the large one bandwidth-bound on NVLink."""
+PROBE_REPEATS = 5
+
+
+def _time_all_gather(group, ranks: int, nbytes: int, device: torch.device) -> float:
+    shard = torch.empty(nbytes // ranks // 2, dtype=torch.bfloat16, device=device)
+    out = torch.empty(shard.numel() * ranks, dtype=shard.dtype, device=device)
+    dist.all_gather_into_tensor(out, shard, group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(PROBE_REPEATS):
+        dist.all_gather_into_tensor(out, shard, group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / PROBE_REPEATS
+
+
+def probe(meshes, device: torch.device) -> dict[str, Measured]:
+    """Time every mesh dimension's link once (a few milliseconds on NVLink) and keep the fit. GPUs
+    only: a fake process group moves nothing, and the CPU test machines' gloo loopback is what
+    hardware.CPU_GLOO describes."""
+    measured = _current("measured", _MEASURED)
+    if measured or device.type != "cuda" or not dist.is_initialized() or dist.get_backend() == "fake":
+        return measured
+    dims = mesh_dims(meshes)
+    if not dims:
+        return measured
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    times = torch.tensor([[_time_all_gather(_resolve_process_group(name), len(groups[0]), n, device) for n in PROBE_BYTES]
+                          for name, groups in dims], dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    (small, large) = PROBE_BYTES
+    for (name, groups), (t_small, t_large) in zip(dims, times.tolist()):
+        ranks = len(groups[0])
+        share = (ranks - 1) / ranks
+        bandwidth = share * (large - small) / max(t_large - t_small, 1e-9)
+        latency = max(t_small - share * small / bandwidth, 0.0) / (ranks - 1)
+        measured[name] = Measured(bandwidth, latency)
+        logger.info(f"link of {ranks} ranks ({name}): {bandwidth / 1e9:.0f} GB/s, {latency * 1e6:.1f} us per ring step (measured)")
+    return measured
+
+
+def measured_link(group_name: str) -> Measured | None:
+    """The probe's figures for a mesh group or its twin (None where nothing was measured)."""
+    measured = _current("measured", _MEASURED)
+    return measured.get(group_name) or measured.get(twin_of(group_name) or "")
