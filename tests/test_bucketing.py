@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -343,4 +344,42 @@ def test_auto_bucketing_in_aot_and_jit_trains_bitwise_like_unbucketed(mode, stag
     got = _stage(folder, stage)["collectives"]
     assert got["reduce_scatter"]["count"] < PARAMS and got["reduce_scatter"]["buckets"] > 0
     ref, run = read_metrics(base), read_metrics(folder)
+    assert losses(run) == losses(ref) and grad_norms(run) == grad_norms(ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# The default schedule of a multi-rank traced step: 4 gloo ranks, 4 blocks
+
+FOUR = ("--parallelism.dp_shard", "4", "--model.n_layers", "4", "--training.steps", "2", "--training.batch_size", "4",
+        "--training.seq_len", "64", "--metrics.log_freq", "1", "--compile.dump_graphs")
+_CALL = re.compile(r"= torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|wait_tensor)\.default\((\w+)(?:, [^,]+)*?(?:, '(\w+)')?\)")
+
+
+def _calls(code: str) -> list[tuple[str, str, str | None]]:
+    """(op, first argument, group name) of each collective and wait, in graph order."""
+    return [(m.group(1), m.group(2), m.group(3)) for m in _CALL.finditer(code)]
+
+
+@pytest.mark.slow
+def test_default_schedule_on_four_ranks_buckets_per_block_on_its_own_group_bitwise():
+    folder = cached_run(FOUR, 4)
+    plain = cached_run((*FOUR, "--compile.passes", "none"), 4)
+    stages = [s["stage"] for s in json.loads((folder / "graphs" / "summary.json").read_text())["stages"]]
+    assert stages == ["traced", "reshard_after_forward", "separate_gather_group", "transformer_block_bucketing"]
+    got = _stage(folder, "transformer_block_bucketing")["collectives"]
+    # all-gathers: forward [tok_embeddings], 4 blocks, [norm, output]; backward gathers again the 3 blocks
+    # reshard_after_forward freed (not the last). Reduce-scatters: 4 blocks, [tok_embeddings], [norm, output].
+    assert (got["all_gather"]["count"], got["all_gather"]["buckets"]) == (9, 8)
+    assert (got["reduce_scatter"]["count"], got["reduce_scatter"]["buckets"]) == (6, 5)
+    calls = _calls(next((folder / "graphs").glob("*_transformer_block_bucketing.py")).read_text())
+    gather_groups = {g for op, _, g in calls if op == "all_gather_into_tensor"}
+    scatter_groups = {g for op, _, g in calls if op == "reduce_scatter_tensor"}
+    assert len(gather_groups) == 1 and len(scatter_groups) == 1 and gather_groups != scatter_groups
+    # prefetch: every forward block's all-gather is in flight before the previous one is waited for
+    issued = [i for i, (op, _, _) in enumerate(calls) if op == "all_gather_into_tensor"]
+    waited = [i for i, (op, arg, _) in enumerate(calls) if op == "wait_tensor" and arg.startswith("all_gather")]
+    assert all(nxt < wait for nxt, wait in zip(issued[1:6], waited[:5]))
+    record = read_metrics(folder)[0]
+    assert record["gathers_on_own_group"] > 0 and 1 <= record["prefetch_blocks"] <= 3
+    ref, run = read_metrics(plain), read_metrics(folder)
     assert losses(run) == losses(ref) and grad_norms(run) == grad_norms(ref)
