@@ -77,6 +77,10 @@ class MetricsLogger:
     def restart_clock(self) -> None:
         self.last_time = time.perf_counter()
 
+    def exclude(self, seconds: float) -> None:
+        """Work between the step and its log that is not training (validation): not in the step's time or throughput."""
+        self.last_time += seconds
+
     def log(self, step: int, loss: float, grad_norm: float, lr: float, tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
         """`tokens`: tokens this rank processed since the last call."""
         now = time.perf_counter()
@@ -101,9 +105,10 @@ class MetricsLogger:
             mfu_text = f"  mfu: {mfu:.2f}%" if mfu is not None else ""
             # A fake run's collectives move no data: its losses say nothing about the model.
             fake = " (fake comm: loss not meaningful)" if record.get("comm_mode") == "fake" else ""
+            validation = f"  validation_loss: {record['validation_loss']:8.5f}" if "validation_loss" in record else ""
             line = (
                 f"step: {step:4d}  loss: {loss:8.5f}{fake}  grad_norm: {grad_norm:8.4f}  lr: {lr:.2e}  "
-                f"memory: {record['peak_memory_gib']:.2f}GiB  tps: {tps:,.0f}{mfu_text}"
+                f"memory: {record['peak_memory_gib']:.2f}GiB  tps: {tps:,.0f}{mfu_text}{validation}"
             )
             if self.bar is not None:
                 self.bar.update(1)

@@ -11,8 +11,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-SCALARS = ("loss", "grad_norm", "lr", "tokens_per_second", "mfu", "peak_memory_gib", "step_time_s", "dropped_tokens")
-"""The record keys written as scalars (those a record holds; `mfu` is absent on CPU, `dropped_tokens` for dense models)."""
+SCALARS = ("loss", "grad_norm", "lr", "tokens_per_second", "mfu", "peak_memory_gib", "step_time_s", "dropped_tokens",
+           "validation_loss", "validation_perplexity")
+"""The record keys written as scalars (those a record holds; `mfu` is absent on CPU, `dropped_tokens` for dense
+models, the validation figures at the steps that validated)."""
 
 TB_FOLDER = "tb"
 

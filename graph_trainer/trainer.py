@@ -6,7 +6,7 @@ on them. Rank 0 writes `metrics.jsonl`, `config.toml` and `placements.json` into
 How a run ends: 0 when it finishes, or when SIGINT/SIGTERM stopped it after the current step (with
 `--checkpoint.enable` a checkpoint of that step is saved first; a second signal stops at once).
 Failures the user can act on print one line on stderr, no traceback, and exit with
-2 (a checkpoint that cannot be loaded; with `--comm.mode fake`, a simulated rank that does not fit on
+2 (a checkpoint that cannot be loaded, validation data too small for one batch; with `--comm.mode fake`, a simulated rank that does not fit on
 the GPU), 3 (a non-finite loss or gradient norm: nothing is saved
 for that step, the last good checkpoint stays the latest) or 4 (a collective failed: a peer rank
 died, or did not answer within `--comm.timeout_seconds`).
@@ -33,7 +33,7 @@ from . import models
 from .capture import CaptureContext, build_step, own_grad_norm
 from .checkpoint import Checkpointer, CheckpointError, any_rank, state_shapes
 from .clipping import clip_grad_norm_
-from .config import JobConfig, to_toml
+from .config import ConfigError, JobConfig, to_toml
 from .data.random_tokens import random_batch
 from .errors import print_error
 from .losses import build_loss
@@ -51,6 +51,7 @@ from .parallel.mesh import Meshes, build_meshes, device_type, resolve_degrees
 from .parallel.simple_fsdp import MixedPrecision
 from .placement import place_model, write_placements
 from .regions import annotate_regions
+from .validation import Validator, build_forward, hold_out, validation_loader
 from .passes.registry import run_teardowns
 
 logger = logging.getLogger("graph_trainer")
@@ -186,8 +187,10 @@ class GraphTrainer:
 
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path or None)
         self.loader = None
+        held_out: list[str] = []
         if not t.random_tokens:
             documents = read_documents(t.dataset_path or None)
+            documents, held_out = hold_out(documents, cfg.validation.split)
             self.loader = TokenLoader(documents, self.tokenizer, t.seq_len, self.local_batch, self.meshes.dp_rank(), self.degrees.dp)
 
         spec = models.get_spec(cfg.model.name)
@@ -229,6 +232,11 @@ class GraphTrainer:
         self.capture = CaptureContext(cfg, self.meshes, self.model, loss_fn, 1.0 / t.gradient_accumulation_steps, self.device,
                                       stats={"placement_s": placement_s}, optimizers=self.optimizers)
         self.step_fn = build_step(cfg.compile.mode, self.capture)
+        self.validator = None
+        if cfg.validation.enable:
+            loader = validation_loader(cfg, held_out, self.tokenizer, self.local_batch, self.meshes.dp_rank(), self.degrees.dp)
+            forward = build_forward(cfg, self.meshes, self.model, loss_fn, self.device)
+            self.validator = Validator(cfg, loader, forward, self.model, self.device, self.to_device, self._mean_over_dp)
         if self.is_rank0:
             Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
             (Path(cfg.job.dump_folder) / "config.toml").write_text(to_toml(cfg))
@@ -266,6 +274,9 @@ class GraphTrainer:
                                           self.local_batch, self.cfg.training.seq_len, self.model.model_args.vocab_size)
         else:
             inputs, labels = self.loader.next_batch()
+        return self.to_device(inputs, labels)
+
+    def to_device(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.embedding_weight is not None:
             # the fake reduce-scatter of a vocab-parallel embedding fills only this rank's rows (fake_data)
             inputs = tokens_in_vocab_shard(inputs, self.embedding_weight)
@@ -334,7 +345,12 @@ class GraphTrainer:
                     if self.is_rank0:
                         write_prediction(self.cfg.job.dump_folder, self.degrees.world_size)
                     first = False
-                if self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps:
+                validated = self.validator is not None and self.validator.due(self.step)
+                if validated:
+                    started = time.perf_counter()
+                    extra.update(self.validator.run())
+                    metrics.exclude(time.perf_counter() - started)
+                if validated or self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps:
                     records.append(metrics.log(self.step, loss, grad_norm, lr, tokens_per_step, extra))
                     writers.write(records[-1])
                 stop = any_rank(signals.received is not None, self.device)
@@ -386,7 +402,7 @@ def run(cfg: JobConfig) -> list[dict]:
     try:
         trainer = GraphTrainer(cfg)
         return trainer.train()
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:
         _fail(str(e), _EXIT_CHECKPOINT)
     except NonFiniteError as e:
         _fail(str(e), _EXIT_NON_FINITE)

@@ -339,3 +339,28 @@ def check_initial_load_and_writers(cfg: JobConfig, degrees: tuple[int, int, int,
 
 
 _CHECKS_AFTER_MESH += (check_initial_load_and_writers,)
+
+
+def check_validation(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
+    """--validation.*: where its data comes from, and how often and how much it evaluates."""
+    v = cfg.validation
+    for name in ("freq", "steps"):
+        if getattr(v, name) < 1:
+            raise ConfigError(f"validation.{name} must be >= 1, got {getattr(v, name)}")
+    if not 0 <= v.split < 1:
+        raise ConfigError(f"validation.split is the share of the training documents held out, in [0, 1); got {v.split}")
+    if v.split and v.dataset_path:
+        raise ConfigError("--validation.split holds out training documents, --validation.dataset_path names other data: give one of them")
+    if v.split and cfg.training.random_tokens:
+        raise ConfigError("--validation.split holds out documents of the training data, and --training.random_tokens reads none: "
+                          "drop one of them (random tokens can validate on --validation.dataset_path)")
+    if v.dataset_path and not v.enable:
+        raise ConfigError("--validation.dataset_path is read by --validation.enable only: add it, or drop the path")
+    if v.enable and not (v.dataset_path or v.split):
+        raise ConfigError("--validation.enable needs data the model does not train on: --validation.dataset_path FILE, "
+                          "or --validation.split 0.1 to hold out a share of the training documents")
+    if v.dataset_path and not Path(v.dataset_path).exists():
+        raise ConfigError(f"validation.dataset_path {v.dataset_path} does not exist; pass an existing .txt/.jsonl/.parquet file or folder")
+
+
+_CHECKS_AFTER_MESH += (check_validation,)

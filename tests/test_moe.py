@@ -147,10 +147,10 @@ def _train_in_process(monkeypatch, folder, mode: str, args: list[str] = (), step
     and, for a skewed eager run, every dispatch call's routing."""
     seen: dict[str, list] = {"counts": [], "dropped": [], "bias": [], "calls": []}
 
-    def spy(blocks, meshes, forwards):
+    def spy(blocks, meshes):
         seen["counts"].append(torch.stack([moe.tokens_per_expert.clone() for _, moe in blocks]))
         seen["dropped"].append(torch.stack([moe.tokens_dropped.clone() for _, moe in blocks]))
-        total = _UPDATE_EXPERT_BIAS(blocks, meshes, forwards)
+        total = _UPDATE_EXPERT_BIAS(blocks, meshes)
         seen["bias"].append(torch.stack([moe.expert_bias.clone() for _, moe in blocks]))
         return total
 
@@ -232,8 +232,10 @@ def skewed_one_rank(tmp_path_factory):
     """Expert 0 chosen by every token, capacity factor 0.5: every MoE layer drops pairs every step."""
     tmp = tmp_path_factory.mktemp("moe_skewed")
     args = [*SKEWED_LAYERS, "--parallelism.moe_capacity_factor", str(SKEWED_FACTOR)]
-    return {mode: _train_in_process(pytest.MonkeyPatch(), tmp, mode, args, steps=SKEWED_STEPS, skew=True)
-            for mode in ("eager", "aot_fx_trace")}
+    # The traced run recomputes its blocks (full AC): its counts and drops must still be the eager run's.
+    return {mode: _train_in_process(pytest.MonkeyPatch(), tmp, mode, [*args, "--activation_checkpoint.mode", ac], steps=SKEWED_STEPS,
+                                    skew=True)
+            for mode, ac in (("eager", "none"), ("aot_fx_trace", "full"))}
 
 
 def test_skewed_routing_drops_lowest_scores_and_counts_only_kept_pairs(skewed_one_rank):
@@ -261,6 +263,23 @@ def test_skewed_routing_drops_lowest_scores_and_counts_only_kept_pairs(skewed_on
     assert grad_norms(traced["records"]) == grad_norms(eager["records"])
     assert [r["dropped_tokens"] for r in traced["records"]] == [r["dropped_tokens"] for r in eager["records"]]
     assert all(torch.equal(a, b) for a, b in zip(traced["counts"], eager["counts"]))
+
+
+@pytest.mark.parametrize("mode,ac", [("eager", "full"), ("aot", "selective"), ("jit", "full")])
+def test_recomputed_blocks_count_their_routing_once(mode, ac, tmp_path, monkeypatch):
+    """Activation checkpointing re-runs a block's forward in eager mode (and in aot_fx_trace, above) but
+    not in the graphs of aot and jit; in each the counts are those of one forward. With one peer (ep 1)
+    each MoE layer keeps ceil(f * pairs) pairs whatever the routing and drops the rest. Selective AC
+    (every second layer) recomputes one of the two MoE layers."""
+    batch, seq_len = 2, 32
+    args = [*SKEWED_LAYERS, "--training.batch_size", str(batch), "--training.seq_len", str(seq_len), "--training.random_tokens",
+            "--parallelism.moe_capacity_factor", str(SKEWED_FACTOR), "--activation_checkpoint.mode", ac,
+            "--compile.inductor_compilation", "none"]
+    run = _train_in_process(monkeypatch, tmp_path, mode, args, steps=1)
+    pairs = batch * seq_len * 3
+    kept = math.ceil(SKEWED_FACTOR * pairs)
+    assert [c.sum(dim=1).tolist() for c in run["counts"]] == [[kept] * MOE_LAYERS]
+    assert [r["dropped_tokens"] for r in run["records"]] == [MOE_LAYERS * (pairs - kept)]
 
 
 def test_without_capacity_factor_nothing_is_dropped(one_rank):

@@ -6,7 +6,8 @@ uninitialised memory. `graph-trainer train --comm.mode fake`, `graph-trainer pla
 traces all build on it.
 
 Also the private Tensor attribute eager resharding (simple_fsdp.reshard_after_forward) finds views with,
-and the functional collectives eager SimpleFSDP gathers with (renamed in torch 2.13).
+and the functional collectives eager SimpleFSDP gathers with (renamed in torch 2.13), and whether
+autograd's engine is running a backward pass.
 """
 
 from __future__ import annotations
@@ -68,3 +69,8 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+def in_backward() -> bool:
+    """Whether this code runs inside a backward pass of autograd's engine (e.g. a checkpointed block's recomputation)."""
+    return torch._C._current_graph_task_id() != -1

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torchtitan.models.moe import MoE
 
+from .compat import in_backward
 from .mesh import DP_DIMS, Meshes
 from .moe_dispatch import DispatchPlan, dispatch_and_combine, route
 
@@ -96,9 +96,10 @@ class StaticDispatchMoE(MoE):
         if plan.expert_grad_scale != 1.0:
             weights = [_ScaleGrad.apply(w, plan.expert_grad_scale) for w in weights]
         result = dispatch_and_combine(plan.dispatch, tokens, scores, experts, *weights)
-        with torch.no_grad():
-            self.tokens_per_expert.add_(result.tokens_per_expert)
-            self.tokens_dropped.add_(result.dropped)
+        if not _is_recomputation():
+            with torch.no_grad():
+                self.tokens_per_expert.add_(result.tokens_per_expert)
+                self.tokens_dropped.add_(result.dropped)
         routed = result.output.view(bs, slen, dim)
 
         if tp is None:
@@ -181,17 +182,19 @@ def prepare_moe(model: nn.Module, meshes: Meshes, capacity_factor: float = 0.0) 
         moe.__class__ = StaticDispatchMoE
 
 
-def _is_recomputed(block: nn.Module) -> bool:
-    return getattr(block, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT
+def _is_recomputation() -> bool:
+    """Whether this forward is activation checkpointing re-running a block for backward, whose routing
+    was counted when the block first ran. Python recomputes inside backward (an autograd graph task
+    runs): eager checkpointing and the make_fx traces of aot_fx_trace and aot alike. Dynamo's graphs
+    recompute in their compiled backward without running this code, so its trace counts once."""
+    return not torch.compiler.is_compiling() and in_backward()
 
 
 @torch.no_grad()
-def _update_expert_bias(blocks: list[tuple[nn.Module, StaticDispatchMoE]], meshes: Meshes, forwards: Tensor) -> Tensor:
+def _update_expert_bias(blocks: list[tuple[nn.Module, StaticDispatchMoE]], meshes: Meshes) -> Tensor:
     """Auxiliary-loss-free load balancing (torchtitan's rule) on the counts of the global batch, which
-    leave out dropped pairs; `forwards` is each block's forward runs per step (a column). Returns the
-    pairs dropped over the global batch, on the device."""
+    leave out dropped pairs. Returns the pairs dropped over the global batch, on the device."""
     stats = torch.stack([torch.cat([moe.tokens_per_expert, moe.tokens_dropped.view(1)]) for _, moe in blocks])
-    stats /= forwards
     dense = meshes.dense
     for dim in blocks[0][1]._moe_plan.count_dims:
         if dense.size(dense.mesh_dim_names.index(dim)) > 1:
@@ -219,15 +222,11 @@ class LoadBalancing:
         for _, moe in blocks:
             moe.tokens_per_expert.zero_()
             moe.tokens_dropped.zero_()
-        device = blocks[0][1].tokens_per_expert.device
-        # A recomputed block runs its forward twice (activation checkpointing) and counts twice. Built
-        # once here: a host-to-device copy in the hook would wait for the step's kernels.
-        self.forwards = torch.tensor([[2.0 if _is_recomputed(block) else 1.0] for block, _ in blocks], device=device)
-        self.dropped = torch.zeros((), dtype=torch.float64, device=device)
+        self.dropped = torch.zeros((), dtype=torch.float64, device=blocks[0][1].tokens_per_expert.device)
         optimizers.register_step_pre_hook(self._before_step)
 
     def _before_step(self, *args, **kwargs) -> None:
-        self.dropped = _update_expert_bias(self.blocks, self.meshes, self.forwards)
+        self.dropped = _update_expert_bias(self.blocks, self.meshes)
 
 
 def install_load_balancing(optimizers: torch.optim.Optimizer, model: nn.Module, meshes: Meshes) -> LoadBalancing | None:
