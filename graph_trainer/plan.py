@@ -77,7 +77,8 @@ def cmd_plan(argv: list[str]) -> int:
     if against:
         from .autoparallel import plan_compare
 
-        result = plan_compare.compare(cfg)
+        plan_compare.check(cfg)
+        result = plan_compare.compare(cfg, make_plan(cfg))
         print(plan_compare.render(result))
         print(f"comparison written to {plan_compare.write(result, cfg.job.dump_folder)}")
         return 0

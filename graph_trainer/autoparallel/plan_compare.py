@@ -66,13 +66,24 @@ def _ours(predicted: dict[str, Any]) -> dict[str, float]:
     return {k: predicted[k] for k in keep if k in predicted}
 
 
-def compare(cfg: JobConfig) -> dict[str, Any]:
+def check(cfg: JobConfig) -> None:
+    """What the comparison needs, checked before the built-in plan is solved."""
+    from .. import models
+    from . import meta_adapter
+
+    if models.get_spec(cfg.model.name).is_moe:
+        raise ConfigError(f"plan --against meta compares dense models only (Meta's placer does not take {cfg.model.name} here)")
+    meta_adapter.require()
+
+
+def compare(cfg: JobConfig, ours: dict[str, Any]) -> dict[str, Any]:
+    """`ours`: the built-in solver's plan (plan.json's content), solved on the fake process group this
+    comparison then uses (the caller, plan.py, owns both)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
     from .. import models
     from ..parallel.simple_fsdp import MixedPrecision
-    from ..plan import make_plan
     from . import meta_adapter
     from ..hardware import select
     from ..units import parse_memory_budget
@@ -80,10 +91,6 @@ def compare(cfg: JobConfig) -> dict[str, Any]:
     from .planner import price_placement
 
     spec = models.get_spec(cfg.model.name)
-    if spec.is_moe:
-        raise ConfigError(f"plan --against meta compares dense models only (Meta's placer does not take {cfg.model.name} here)")
-    meta_adapter.require()
-    ours = make_plan(cfg)
     info = mesh_info(tuple(ours["mesh"]["shape"]))
     if not info.sizes:
         raise ConfigError("plan --against meta needs a mesh of more than one rank: pass --parallelism.dp_shard N (and tp)")

@@ -33,7 +33,7 @@ from ..passes.memory_policy import activation_passes
 from ..passes.reshard import parameter_passes
 from ..passes.registry import PassContext, Stage, apply_passes
 from ..train_step import LossFn
-from . import CaptureContext, register_capture
+from .registry import CaptureContext, register_capture
 from .compat import (
     BufferAOTInput,
     ParamAOTInput,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel.simple_fsdp import direct_gathers, reshard_after_forward
-from . import CaptureContext, register_capture
+from .registry import CaptureContext, register_capture
 
 
 class EagerStep:

@@ -30,7 +30,7 @@ from ..passes.reshard import parameter_passes
 from ..passes.registry import PassContext, apply_passes
 from ..regions import BackwardSeqNr, copy_marks_to_backward
 from ..train_step import FunctionalTrainStep, accumulate_grads, named_buffers
-from . import CaptureContext, register_capture
+from .registry import CaptureContext
 from .compat import untraced_sharding_propagation
 
 logger = logging.getLogger("graph_trainer")
@@ -173,12 +173,3 @@ class TracedStep:
         with torch.no_grad():
             out = self.compiled(*[p.to_local() for p in self.params], *self.buffers, inputs, labels, *self._extra_inputs())
         return self._finish(out)
-
-
-@register_capture("aot_fx_trace")
-def capture_fx_trace(ctx: CaptureContext) -> TracedStep:
-    if ctx.cfg.compile.optimizer_in_graph:
-        from .optimizer_in_graph import OptimizerInGraphStep
-
-        return OptimizerInGraphStep(ctx)
-    return TracedStep(ctx)

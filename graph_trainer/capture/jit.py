@@ -40,7 +40,7 @@ from ..graph_dump import GraphDumper
 from ..passes.collectives import find_collectives
 from ..passes.registry import apply_passes
 from ..passes.reshard import parameter_passes
-from . import CaptureContext, register_capture
+from .registry import CaptureContext, register_capture
 from .aot import LossModule, StageCompiler, dump_folder, pass_context
 from .compat import aot_autograd, min_cut_partition
 

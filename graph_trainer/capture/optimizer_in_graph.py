@@ -25,8 +25,8 @@ import torch
 
 from ..clipping import clip_coefficient, total_norm
 from ..train_step import FunctionalTrainStep, ParamSpec
-from . import CaptureContext
 from .fx_trace import TracedStep
+from .registry import CaptureContext, register_capture
 
 
 @dataclass(frozen=True)
@@ -169,3 +169,12 @@ class OptimizerInGraphStep(TracedStep):
             for state in self._states():
                 state["step"] += 1
         return super().__call__(inputs, labels)
+
+
+@register_capture("aot_fx_trace")
+def capture_fx_trace(ctx: CaptureContext) -> TracedStep:
+    """The mode's entry lives here, above both step classes: fx_trace's plain step knows nothing of
+    the in-graph optimizer."""
+    if ctx.cfg.compile.optimizer_in_graph:
+        return OptimizerInGraphStep(ctx)
+    return TracedStep(ctx)
