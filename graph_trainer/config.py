@@ -215,22 +215,6 @@ class Validation:
 
 
 @dataclass
-class Validation:
-    enable: bool = False
-    """Every `freq` steps and at the last, the loss and perplexity on held-out data (forward only), logged as
-    validation_loss / validation_perplexity. Needs dataset_path or split."""
-    dataset_path: str = ""
-    """Validation data: a .txt, .jsonl or .parquet file or a folder of them, as training.dataset_path."""
-    split: float = 0.0
-    """Hold out this share of the training documents (the last ones) for validation: training never sees them,
-    with validation enabled or not. 0: none (then give dataset_path)."""
-    freq: int = 10
-    """Validate every this many steps (and at the last step)."""
-    steps: int = 10
-    """Batches per validation, each of training.batch_size sequences, from the start of the validation data each time."""
-
-
-@dataclass
 class Profiling:
     enable: bool = False
     """Profile a few steps: Chrome trace and summary.json (top kernels, exposed communication) under <dump_folder>/profile/."""
@@ -265,7 +249,6 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
-    validation: Validation = field(default_factory=Validation)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
