@@ -1,8 +1,10 @@
-"""Every command in README.md's ```bash blocks works as written.
+"""Every command in the ```bash blocks of README.md and docs/*.md works as written.
 
 Each command (continuation lines joined, `a && b` split) is classified:
 - `graph-trainer ...` / `python -m graph_trainer ...`: run as written; it must exit 0 (and a `train` must
   log its last step);
+- in a block whose first line is a `# GPU` comment, such a command is not run (this machine has no GPU): its
+  `train` arguments go through the up-front validation for a CUDA device instead;
 - `torchrun ...` (also under `srun`): its graph-trainer arguments go through the up-front validation for
   the world size it names (`--nnodes` x `--nproc-per-node`, with `$SLURM_NNODES` from `#SBATCH --nodes`);
 - the kinds in SKIPPED are not run, for the reason given there;
@@ -34,9 +36,14 @@ SKIPPED = {
 }
 
 
+DOCUMENTS = ("README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")))
+GPU_MARK = "# GPU"
+
+
 @dataclass(frozen=True)
 class Command:
-    block: int
+    block: str
+    """`<document>#<index of the bash block in it>`."""
     text: str
     kind: str
     argv: tuple[str, ...] = ()
@@ -68,7 +75,7 @@ def _launcher_args(words: list[str]) -> tuple[dict[str, str], list[str]]:
     return options, words[i + 2 :]
 
 
-def classify(block_index: int, text: str, env: dict[str, str]) -> Command:
+def classify(block_index: str, text: str, env: dict[str, str], gpu: bool = False) -> Command:
     words = shlex.split(text)
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
         words = words[1:]
@@ -78,10 +85,11 @@ def classify(block_index: int, text: str, env: dict[str, str]) -> Command:
         return Command(block_index, text, "pip")
     if words[:3] == ["python", "-m", "pytest"] or words[:1] == ["pytest"]:
         return Command(block_index, text, "pytest")
+    run = "gpu_run" if gpu else "run"
     if words[:1] == ["graph-trainer"]:
-        return Command(block_index, text, "run", tuple(words[1:]))
+        return Command(block_index, text, run, tuple(words[1:]))
     if words[:3] == ["python", "-m", "graph_trainer"]:
-        return Command(block_index, text, "run", tuple(words[3:]))
+        return Command(block_index, text, run, tuple(words[3:]))
     if words[:1] == ["srun"]:
         words = words[words.index("torchrun"):] if "torchrun" in words else words
     if words[:1] == ["torchrun"]:
@@ -94,11 +102,13 @@ def classify(block_index: int, text: str, env: dict[str, str]) -> Command:
 
 def readme_commands() -> list[Command]:
     commands = []
-    for i, block in enumerate(bash_blocks((REPO / "README.md").read_text())):
-        nodes = re.search(r"^#SBATCH\b.*--nodes[= ](\d+)", block, flags=re.M)
-        env = {"SLURM_NNODES": nodes.group(1)} if nodes else {}
-        for line in _lines(block):
-            commands.extend(classify(i, part.strip(), env) for part in line.split("&&"))
+    for document in DOCUMENTS:
+        for i, block in enumerate(bash_blocks((REPO / document).read_text())):
+            nodes = re.search(r"^#SBATCH\b.*--nodes[= ](\d+)", block, flags=re.M)
+            env = {"SLURM_NNODES": nodes.group(1)} if nodes else {}
+            gpu = block.startswith(GPU_MARK)
+            for line in _lines(block):
+                commands.extend(classify(f"{document}#{i}", part.strip(), env, gpu) for part in line.split("&&"))
     return commands
 
 
@@ -107,19 +117,58 @@ COMMANDS = readme_commands()
 
 def test_readme_has_the_documented_commands():
     kinds = {c.kind for c in COMMANDS}
-    assert {"run", "torchrun", "pip", "pytest"} <= kinds, kinds
+    assert {"run", "gpu_run", "torchrun", "pip", "pytest"} <= kinds, kinds
     unknown = [c.text for c in COMMANDS if c.kind == "unknown"]
-    assert not unknown, f"README commands of a kind this test does not know (add a rule): {unknown}"
+    assert not unknown, f"commands of a kind this test does not know (add a rule): {unknown}"
 
 
 def test_classify_recognises_launchers_and_refuses_the_rest():
     sbatch = {"SLURM_NNODES": "2"}
-    srun = classify(0, 'srun torchrun --nnodes "$SLURM_NNODES" --nproc-per-node 8 -m graph_trainer train --x.y 1', sbatch)
+    srun = classify("", 'srun torchrun --nnodes "$SLURM_NNODES" --nproc-per-node 8 -m graph_trainer train --x.y 1', sbatch)
     assert (srun.kind, srun.world_size, srun.argv) == ("torchrun", 16, ("train", "--x.y", "1"))
-    assert classify(0, "OMP_NUM_THREADS=1 python -m pytest -q", {}).kind == "pytest"
-    assert classify(0, "python -m graph_trainer plan --a.b 2", {}).argv == ("plan", "--a.b", "2")
-    assert classify(0, "docker run image", {}).kind == "unknown"
-    assert classify(0, "accelerate launch train.py", {}).kind == "unknown"
+    assert classify("", "OMP_NUM_THREADS=1 python -m pytest -q", {}).kind == "pytest"
+    assert classify("", "python -m graph_trainer plan --a.b 2", {}).argv == ("plan", "--a.b", "2")
+    assert classify("", "docker run image", {}).kind == "unknown"
+    assert classify("", "accelerate launch train.py", {}).kind == "unknown"
+    assert classify("", "graph-trainer train --a.b 1", {}, gpu=True).kind == "gpu_run"
+    assert classify("", "torchrun --nproc-per-node 2 -m graph_trainer train", {}, gpu=True).kind == "torchrun"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_documents_link_to_files_and_headings_that_exist():
+    broken = []
+    for document in DOCUMENTS:
+        path = REPO / document
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.exists():
+                broken.append(f"{document}: {target}")
+            elif anchor and anchor not in {_anchor(h) for h in re.findall(r"^#+ (.*)$", linked.read_text(), flags=re.M)}:
+                broken.append(f"{document}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def _pip(text: str) -> list[str]:
+    """A pip command's words without what changes nothing it installs (`python -m`, `-q`)."""
+    words = shlex.split(text)
+    return [w for w in (words[2:] if words[:2] == ["python", "-m"] else words) if w != "-q"]
+
+
+def test_ci_runs_the_readme_install_and_test_commands():
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    ci_pip = [_pip(line) for line in ci if line.startswith("python -m pip install")]
+    readme_pip = [_pip(c.text) for c in COMMANDS if c.kind == "pip" and c.block == "README.md#0"]
+    assert ci_pip == readme_pip, (ci_pip, readme_pip)
+    (pytest_cmd,) = [c.text for c in COMMANDS if c.kind == "pytest"]
+    env, _, command = pytest_cmd.partition(" ")
+    assert f"export {env}" in ci and command in ci, (pytest_cmd, ci)
 
 
 def _run(cmd: Command, scratch: Path) -> None:
@@ -138,14 +187,22 @@ def _validate(cmd: Command) -> None:
     assert math.prod(degrees[:3]) == cmd.world_size, cmd.text
 
 
+def _validate_on_gpu(cmd: Command) -> None:
+    assert cmd.argv[:1] == ("train",), f"only `train` has a GPU rule: {cmd.text}"
+    cfg = parse_args(list(cmd.argv[1:]))
+    degrees = validate(cfg, device_type="cuda")
+    world_size = cfg.comm.fake_world_size if cfg.comm.mode == "fake" else 1
+    assert math.prod(degrees[:3]) == world_size, cmd.text
+
+
 BLOCKS = sorted({c.block for c in COMMANDS})
 
 
 # A block is a script: its commands run in order in one scratch folder (a later one may read what an
 # earlier one wrote), which sees the repository's configs/. Running one trains, so such blocks are slow.
 @pytest.mark.parametrize("block", [pytest.param(b, marks=pytest.mark.slow) if any(c.block == b and c.kind == "run" for c in COMMANDS)
-                                   else b for b in BLOCKS], ids=[f"block{b}" for b in BLOCKS])
-def test_readme_block(block: int, tmp_path, monkeypatch):
+                                   else b for b in BLOCKS], ids=BLOCKS)
+def test_readme_block(block: str, tmp_path, monkeypatch):
     (tmp_path / "configs").symlink_to(REPO / "configs")
     monkeypatch.chdir(tmp_path)
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
@@ -156,9 +213,11 @@ def test_readme_block(block: int, tmp_path, monkeypatch):
             skipped.append(f"{cmd.text!r}: {SKIPPED[cmd.kind]}")
         elif cmd.kind == "run":
             _run(cmd, tmp_path)
+        elif cmd.kind == "gpu_run":
+            _validate_on_gpu(cmd)
         elif cmd.kind == "torchrun":
             _validate(cmd)
         else:
-            pytest.fail(f"README command of unknown kind (add a rule to tests/test_readme.py): {cmd.text}")
+            pytest.fail(f"{block}: command of unknown kind (add a rule to tests/test_readme.py): {cmd.text}")
     if skipped:
         print("not run:\n" + "\n".join(skipped))
