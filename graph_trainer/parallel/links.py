@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -86,21 +85,25 @@ def twin_of(group_name: str) -> str | None:
 
 PROBE_BYTES = (1 << 20, 64 << 20)
 """Gathered sizes timed: the small one is latency-bound, the large one bandwidth-bound on NVLink."""
-PROBE_REPEATS = 5
+PROBE_REPEATS = (50, 10)
+"""Calls timed per size, back to back: enough that a rank arriving late at the first one (after the
+barrier) and Python's launch cost are a small share of the time."""
 
 
-def _time_all_gather(group, ranks: int, nbytes: int, device: torch.device) -> float:
+def _time_all_gather(group, ranks: int, nbytes: int, repeats: int, device: torch.device) -> float:
     shard = torch.empty(nbytes // ranks // 2, dtype=torch.bfloat16, device=device)
     out = torch.empty(shard.numel() * ranks, dtype=shard.dtype, device=device)
-    dist.all_gather_into_tensor(out, shard, group=group)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(PROBE_REPEATS):
+    for _ in range(3):
         dist.all_gather_into_tensor(out, shard, group=group)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / PROBE_REPEATS
+    dist.barrier(group=group)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dist.all_gather_into_tensor(out, shard, group=group)
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3 / repeats
 
 
 def probe(meshes, device: torch.device) -> dict[str, Measured]:
@@ -115,8 +118,8 @@ def probe(meshes, device: torch.device) -> dict[str, Measured]:
         return measured
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    times = torch.tensor([[_time_all_gather(_resolve_process_group(name), len(groups[0]), n, device) for n in PROBE_BYTES]
-                          for name, groups in dims], dtype=torch.float64, device=device)
+    times = torch.tensor([[_time_all_gather(_resolve_process_group(name), len(groups[0]), n, k, device)
+                           for n, k in zip(PROBE_BYTES, PROBE_REPEATS)] for name, groups in dims], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     (small, large) = PROBE_BYTES
     for (name, groups), (t_small, t_large) in zip(dims, times.tolist()):
