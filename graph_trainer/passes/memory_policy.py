@@ -66,7 +66,7 @@ from torch import fx
 from ..graph_dump import nbytes
 from ..hardware import select
 from ..parallel import BLOCK_KEY, OP_SAC_SAVE_LIST
-from ..units import GiB, parse_memory_budget
+from ..units import GiB, fill_device, parse_memory_budget
 from .activations import Activations
 from .cost_model import CostModel
 from .liveness import Profile, Simulator, Step, simulate
@@ -283,7 +283,7 @@ def persistent_bytes(gm: fx.GraphModule, ctx: PassContext) -> int:
 def step_budget(ctx: PassContext) -> float:
     """`--activation_checkpoint.memory_budget` in bytes: the most the step may hold at once."""
     memory = select(ctx.cfg.compile.hardware, ctx.device).device_memory_bytes
-    return parse_memory_budget(ctx.cfg.activation_checkpoint.memory_budget, memory, flag=BUDGET_FLAG)
+    return parse_memory_budget(ctx.cfg.activation_checkpoint.memory_budget, memory, flag=BUDGET_FLAG, when_empty=fill_device)
 
 
 def activation_budget(ctx: PassContext) -> float:
