@@ -1,7 +1,7 @@
-"""Kernel time of one profiled step by kind of kernel, from a Chrome trace: the same reading for
-graph-trainer's trace (`<dump>/profile/trace.json`) and torchtitan's (`profile_traces/iteration_N/
-rank0_trace.json`), so two trainers' steps can be compared kind by kind where their top-kernel lists,
-named by different compilers, cannot.
+"""Kernel time of one profiled step by kind of kernel, and its exposed communication, from a Chrome trace: the same
+reading for graph-trainer's trace (`<dump>/profile/trace.json`) and torchtitan's (`profile_traces/iteration_N/
+rank0_trace.json`), so two trainers' steps can be compared kind by kind where their top-kernel lists, named by
+different compilers, cannot.
 
     python bench/kernel_mix.py TRACE.json [--steps N]
 """
@@ -13,6 +13,8 @@ import json
 import re
 from collections import defaultdict
 from pathlib import Path
+
+from graph_trainer.profiling import union_length, uncovered_length
 
 # first match wins: Inductor's templates (FlexAttention, and its GEMM templates when autotuned in) before its
 # other Triton kernels, attention before GEMMs (attention kernels run matmuls too)
@@ -27,6 +29,7 @@ KINDS = [
     ("ATen (elementwise, reductions, indexing)", re.compile(r"at::native|at_cuda_detail|cub::")),
 ]
 OTHER = "other"
+COLLECTIVES = KINDS[0][0]
 _DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 
@@ -34,14 +37,37 @@ def kind_of(name: str) -> str:
     return next((kind for kind, pattern in KINDS if pattern.search(name)), OTHER)
 
 
-def kernel_mix(trace: Path, steps: int = 1) -> dict[str, float]:
-    """ms per step of device time by kind (the trace's device events over `steps` profiled steps)."""
+def device_events(trace: Path) -> list[dict]:
+    """The trace's complete events that ran on the device (kernels, copies, memsets); times in microseconds."""
     events = json.loads(trace.read_text()).get("traceEvents", [])
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE_CATEGORIES]
+
+
+def kernel_mix(events: list[dict], steps: int = 1) -> dict[str, float]:
+    """ms per step of device time by kind, over `steps` profiled steps."""
     ms: dict[str, float] = defaultdict(float)
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") in _DEVICE_CATEGORIES:
-            ms[kind_of(e.get("name", ""))] += e.get("dur", 0.0) / 1e3 / steps
+        ms[kind_of(e.get("name", ""))] += e.get("dur", 0.0) / 1e3 / steps
     return dict(sorted(ms.items(), key=lambda kv: -kv[1]))
+
+
+def _interval(e: dict) -> tuple[float, float]:
+    return e["ts"], e["ts"] + e.get("dur", 0.0)
+
+
+def exposed_comm(events: list[dict], steps: int = 1) -> dict[str, float]:
+    """Per step: the kernel span (first device event's start to the last one's end), the time some collective kernel
+    ran, and the part of it no compute kernel overlapped; `exposed_comm_share` is that part over the span. Kernels of
+    one stream run one after another, so a compute kernel that overlaps a collective ran on another stream; copies
+    and memsets are no compute. Empty without device events (a CPU trace)."""
+    if not events:
+        return {}
+    comm = [_interval(e) for e in events if kind_of(e.get("name", "")) == COLLECTIVES]
+    compute = [_interval(e) for e in events if e.get("cat") == "kernel" and kind_of(e.get("name", "")) != COLLECTIVES]
+    span_us = max(stop for _, stop in map(_interval, events)) - min(start for start, _ in map(_interval, events))
+    exposed_us = uncovered_length(comm, compute)
+    return {"kernel_span_ms": span_us / 1e3 / steps, "comm_ms": union_length(comm) / 1e3 / steps,
+            "exposed_comm_ms": exposed_us / 1e3 / steps, "exposed_comm_share": exposed_us / span_us if span_us else 0.0}
 
 
 def main() -> int:
@@ -49,8 +75,11 @@ def main() -> int:
     parser.add_argument("trace", type=Path)
     parser.add_argument("--steps", type=int, default=1)
     a = parser.parse_args()
-    for kind, ms in kernel_mix(a.trace, a.steps).items():
+    events = device_events(a.trace)
+    for kind, ms in kernel_mix(events, a.steps).items():
         print(f"{ms:10.2f} ms  {kind}")
+    for name, value in exposed_comm(events, a.steps).items():
+        print(f"{value:10.3f}     {name}")
     return 0
 
 

@@ -1,7 +1,11 @@
 """A torchtitan 0.2.2 train spec for the benchmarks, loaded with `--experimental.custom_import
 bench.titan_spec`: llama3 with our `1B` flavor (`--model.name gt_llama3`, and its SimpleFSDP experiment as
-`gt_simple_fsdp_llama3`) and torchtitan's DeepSeek V3 (`gt_deepseek_v3`, its own flavors), fed the same random tokens graph-trainer's `--training.random_tokens` gives
-(graph_trainer.data.random_tokens).
+`gt_simple_fsdp_llama3`) and torchtitan's DeepSeek V3 (`gt_deepseek_v3`, its own flavors), each also cut to fewer
+layers as graph-trainer's `--model.n_layers` cuts them (`8B-16L`, `70B-8L`, `16B-6L`, `16B-12L`), fed the same random
+tokens graph-trainer's `--training.random_tokens` gives (graph_trainer.data.random_tokens).
+
+Every logged step, rank 0 appends its peak active and reserved bytes to `<dump_folder>/titan_memory.jsonl`
+(bench/runner.py reads it): torchtitan's log line gives reserved bytes only, and graph-trainer reports active ones.
 
 Under `--comm.mode fake_backend` torchtitan's functional collectives (DTensor's TP and EP) get the
 kernels graph-trainer's fake mode uses (graph_trainer.parallel.fake_data), so neither side's step goes
@@ -11,9 +15,13 @@ reduce-scatter calls the process group directly and keeps torch's behaviour."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
+from pathlib import Path
 
+import torch.distributed as dist
 from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.experiments.simple_fsdp.llama3 import get_train_spec as get_simple_fsdp_train_spec
 from torchtitan.models.deepseek_v3 import get_train_spec as get_deepseek_v3_train_spec
 from torchtitan.models.llama3 import get_train_spec
@@ -49,16 +57,36 @@ def _build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite=Tr
                       job_config.debug.seed or 0)
 
 
-def _same_model_and_tokens(spec):
-    flavors = models.get_spec("llama3").flavors
-    # 70B cut to 8 layers, as graph-trainer's `--model.flavor 70B --model.n_layers 8` (bench/run.py's ScaleConfig.layers)
-    cut = {"70B-8L": dataclasses.replace(flavors["70B"], n_layers=8)}
-    return dataclasses.replace(spec, model_args={**flavors, **cut}, build_dataloader_fn=_build_dataloader)
+class ActivePeak(MetricsProcessor):
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        # read before torchtitan's log, which resets the peaks
+        peak = self.device_memory_monitor.get_peak_stats()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            with (Path(self.job_config.job.dump_folder) / "titan_memory.jsonl").open("a") as f:
+                f.write(json.dumps({"step": step, "active_peak_gib": peak.max_active_gib, "reserved_peak_gib": peak.max_reserved_gib}) + "\n")
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
 
 
-register_train_spec("gt_llama3", _same_model_and_tokens(get_train_spec()))
-register_train_spec("gt_simple_fsdp_llama3", _same_model_and_tokens(get_simple_fsdp_train_spec()))
-register_train_spec("gt_deepseek_v3", dataclasses.replace(get_deepseek_v3_train_spec(), build_dataloader_fn=_build_dataloader))
+def _build_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):
+    return ActivePeak(job_config, parallel_dims, tag)
+
+
+def _cut(flavors: dict, cuts: list[tuple[str, int]]) -> dict:
+    """`<flavor>-<n>L`: the flavor with n layers, as graph-trainer's `--model.flavor F --model.n_layers n`."""
+    return {**flavors, **{f"{name}-{n}L": dataclasses.replace(flavors[name], n_layers=n) for name, n in cuts}}
+
+
+def _same_model_and_tokens(spec, flavors: dict):
+    return dataclasses.replace(spec, model_args=flavors, build_dataloader_fn=_build_dataloader,
+                               build_metrics_processor_fn=_build_metrics_processor)
+
+
+# the scale suite's 70B-8L, the multi suite's 8B-16L, 16B-6L (2 GPUs) and 16B-12L (4 GPUs)
+LLAMA3 = _cut(models.get_spec("llama3").flavors, [("70B", 8), ("8B", 16)])
+register_train_spec("gt_llama3", _same_model_and_tokens(get_train_spec(), LLAMA3))
+register_train_spec("gt_simple_fsdp_llama3", _same_model_and_tokens(get_simple_fsdp_train_spec(), LLAMA3))
+deepseek_v3 = get_deepseek_v3_train_spec()
+register_train_spec("gt_deepseek_v3", _same_model_and_tokens(deepseek_v3, _cut(deepseek_v3.model_args, [("16B", 6), ("16B", 12)])))
 
 # the flag is read here, before torchtitan parses its config: this module is imported while it does
 if "fake_backend" in sys.argv:

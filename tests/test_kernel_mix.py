@@ -1,5 +1,6 @@
-"""bench/kernel_mix.py: kernel time of a profiled step by kind, from a Chrome trace, so two trainers' steps
-(ours, torchtitan's) compare kind by kind. The names below are kernels seen in the H200 and H100 profiles."""
+"""bench/kernel_mix.py: kernel time of a profiled step by kind, and its exposed communication, from a Chrome trace, so
+two trainers' steps (ours, torchtitan's) compare kind by kind. The names below are kernels seen in the H200 and H100
+profiles."""
 
 import json
 import sys
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from kernel_mix import kernel_mix, kind_of  # noqa: E402
+from kernel_mix import device_events, exposed_comm, kernel_mix, kind_of  # noqa: E402
 
 
 @pytest.mark.parametrize("name, kind", [
@@ -28,15 +29,44 @@ def test_kinds(name, kind):
     assert kind_of(name) == kind
 
 
-def test_device_time_per_step_by_kind(tmp_path):
-    """Only device events count (a CPU op's time is host time), summed per kind and divided by the steps."""
-    events = [
-        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_a", "dur": 3000.0},
-        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_b", "dur": 1000.0},
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "dur": 500.0},
-        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 9000.0},
-        {"ph": "i", "cat": "kernel", "name": "nvjet_sm90_marker", "dur": 7000.0},
-    ]
+def _trace(tmp_path: Path, events: list[dict]) -> list[dict]:
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": events}))
-    assert kernel_mix(trace, steps=2) == {"GEMM": 2.0, "memcpy / memset": 0.25}
+    return device_events(trace)
+
+
+def test_device_time_per_step_by_kind(tmp_path):
+    """Only device events count (a CPU op's time is host time), summed per kind and divided by the steps."""
+    events = _trace(tmp_path, [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_a", "ts": 0.0, "dur": 3000.0},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_b", "ts": 0.0, "dur": 1000.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 0.0, "dur": 500.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 9000.0},
+        {"ph": "i", "cat": "kernel", "name": "nvjet_sm90_marker", "ts": 0.0, "dur": 7000.0},
+    ])
+    assert kernel_mix(events, steps=2) == {"GEMM": 2.0, "memcpy / memset": 0.25}
+
+
+def test_exposed_communication(tmp_path):
+    """A step of 1,000 us on two streams (compute on 7, NCCL on 20): an all-gather half under a GEMM, a reduce-scatter
+    overlapped only by a memcpy (no compute) and an all-reduce with nothing beside it; a CPU op over all of it does
+    not count. Exposed: 100 (all-gather's tail) + 200 (reduce-scatter) + 100 (all-reduce) = 400 us of 600 us of
+    collectives, over the span from the first kernel's start (100) to the last one's end (1,100)."""
+    events = _trace(tmp_path, [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_gemm", "ts": 100.0, "dur": 300.0, "tid": 7},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "ts": 200.0, "dur": 300.0, "tid": 20},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 600.0, "dur": 200.0, "tid": 7},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_ReduceScatter_Sum_f32_RING_SIMPLE", "ts": 600.0, "dur": 200.0, "tid": 20},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 850.0, "dur": 150.0, "tid": 7},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ts": 1000.0, "dur": 100.0, "tid": 20},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 5000.0, "tid": 1},
+    ])
+    # the all-gather (200-500) is overlapped by the GEMM until 400: 100 us exposed
+    assert exposed_comm(events) == {"kernel_span_ms": 1.0, "comm_ms": 0.6, "exposed_comm_ms": 0.4, "exposed_comm_share": 0.4}
+    assert exposed_comm(events, steps=2)["exposed_comm_ms"] == 0.2
+
+
+def test_no_device_events_no_reading(tmp_path):
+    """A CPU run's trace has operators only: no kernel span to speak of."""
+    events = _trace(tmp_path, [{"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "ts": 0.0, "dur": 10.0}])
+    assert exposed_comm(events) == {}

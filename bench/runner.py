@@ -1,0 +1,223 @@
+"""Running a suite's runs one after another: the command of each (launcher, profiling flags, the weights it starts
+from), launching it with a timeout that ends the whole process group, reading back what it left (metrics, torchtitan's
+log lines and active memory, profiles, the solver's and the cost model's predictions, NCCL's protocols), and checking
+it against its reference run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from graph_trainer.compare import torchrun
+from graph_trainer.metrics import read_metrics
+from kernel_mix import device_events, exposed_comm, kernel_mix
+from logs import ANSI, FIRST_STEP, error_lines, nccl_protocols, titan_records
+from runs import REPO, WARMUP_STEPS, Run, steps_of
+
+TITAN_MEMORY = "titan_memory.jsonl"
+"""Written by bench/titan_spec.py into torchtitan's dump folder: rank 0's peak active and reserved bytes per step."""
+
+
+def dump_folder(runs_dir: Path, group: str, name: str) -> Path:
+    return runs_dir / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{group}-{name}")
+
+
+def _profiling_args(run: Run) -> list[str]:
+    if not run.profile:
+        return []
+    if run.trainer == "gt":
+        return ["--profiling.enable", "--profiling.start_step", str(steps_of(run) - 1), "--profiling.steps", "1"]
+    # torchtitan's schedule: wait, warmup, then the recorded step; the last step is recorded, the one before warms up
+    return ["--profiling.enable_profiling", "--profiling.profile_freq", str(steps_of(run)), "--profiling.profiler_warmup", "1",
+            "--profiling.profiler_active", "1"]
+
+
+def hf_export(runs_dir: Path, run: Run) -> Path:
+    """The Hugging Face folder the run named by `run.start_from` wrote (--checkpoint.last_save_in_hf: step-<last>-hf)."""
+    root = dump_folder(runs_dir, run.group, run.start_from) / "checkpoint"
+    found = sorted(root.glob("step-*-hf"))
+    return found[-1] if found else root / "step-*-hf"
+
+
+def _start_from_args(run: Run, runs_dir: Path) -> list[str]:
+    if not run.start_from:
+        return []
+    weights = ["--checkpoint.initial_load_path", str(hf_export(runs_dir, run)), "--checkpoint.initial_load_in_hf"]
+    # torchtitan reads initial weights only with checkpointing on; load_only keeps it from saving any
+    return weights if run.trainer == "gt" else ["--checkpoint.enable", "--checkpoint.load_only", *weights]
+
+
+def command(run: Run, runs_dir: Path) -> list[str]:
+    dump = dump_folder(runs_dir, run.group, run.name)
+    launcher = torchrun(run.nproc) if run.torchrun else [sys.executable]
+    if run.torchrun and run.trainer == "titan":
+        # every torchtitan rank logs its steps: each line tagged with its rank, so rank 0's are the ones read
+        launcher += ["--role", "rank", "--tee", "3"]
+    module = ["-m", "graph_trainer", "train"] if run.trainer == "gt" else ["-m", "torchtitan.train"]
+    return launcher + module + ["--job.dump_folder", str(dump), *run.args, *_profiling_args(run), *_start_from_args(run, runs_dir)]
+
+
+def launch(cmd: list[str], env: dict, timeout: int) -> tuple[int, str, float | None]:
+    """Run to the end or the timeout (which kills every process of the run, torchrun's ranks too); returns the exit
+    code (-9 on timeout), the output (stdout and stderr interleaved) and the seconds from launch to the line of step 1."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                            env=env, start_new_session=True)
+    expired = threading.Event()
+
+    def kill() -> None:
+        expired.set()
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    lines, first_step = [], None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if first_step is None and FIRST_STEP.search(ANSI.sub("", line)):
+            first_step = time.perf_counter() - start
+    rc = proc.wait()
+    timer.cancel()
+    output = "".join(lines)
+    if expired.is_set():
+        return -9, f"timed out after {timeout}s\n{output}", first_step
+    return rc, output, first_step
+
+
+def records(run: Run, dump: Path, output: str) -> list[dict]:
+    if run.trainer == "gt":
+        return read_metrics(dump)
+    found = titan_records(output)
+    memory_path = dump / TITAN_MEMORY
+    memory = {}
+    if memory_path.exists():
+        memory = {m["step"]: m for m in map(json.loads, memory_path.read_text().splitlines())}
+    for r in found:
+        # like for like with ours: the allocator's peak active bytes (reserved bytes vary between identical runs)
+        r["peak_memory_gib"] = memory.get(r["step"], {}).get("active_peak_gib")
+        if run.profile:
+            # the profiler's warm-up and recorded steps (see _profiling_args) are left out of the throughput
+            r["profiled"] = r["step"] >= steps_of(run) - 1
+    return found
+
+
+def summarize(run: Run, found: list[dict], wall_s: float, rc: int, tail: str) -> dict:
+    steady = [r for r in found if r["step"] > WARMUP_STEPS and not r.get("profiled")]
+    out = {"name": run.name, "group": run.group, "trainer": run.trainer, "nproc": run.nproc, "args": run.args,
+           "returncode": rc, "wall_s": round(wall_s, 1), "steps": len(found),
+           "losses": [r["loss"] for r in found], "grad_norms": [r.get("grad_norm") for r in found]}
+    if not steady:
+        # a run cut short in its warm-up has no throughput to report: its first steps include compilation
+        out["error"] = f"{len(found)} steps, none after the {WARMUP_STEPS}-step warm-up: {tail}" if found else tail
+        return out
+    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    memory = [r["peak_memory_gib"] for r in found if r.get("peak_memory_gib") is not None]
+    reserved = [r["reserved_memory_gib"] for r in found if r.get("reserved_memory_gib") is not None]
+    out.update(
+        tokens_per_second=statistics.median(r["tokens_per_second"] for r in steady),
+        mfu=statistics.median(mfus) if mfus else None,
+        peak_memory_gib=max(memory) if memory else None,
+        step_time_s=statistics.median(r["step_time_s"] for r in steady) if all("step_time_s" in r for r in steady) else None,
+        time_to_first_step_s=found[0].get("time_to_first_step_s"),
+    )
+    if reserved:
+        out["reserved_memory_gib"] = max(reserved)
+    # the memory policy's choice (saved / recomputed / offloaded activations), where one ran, and the first step's
+    # time by phase and graph pass
+    out.update({k: v for k, v in found[0].items() if k.startswith(("ac_", "pass_")) or k in ("trace_s", "compile_s")})
+    return out
+
+
+def profile(dump: Path) -> dict:
+    """Ours (profile/summary.json and trace.json) or torchtitan's recorded iteration: kernel time by kind and the
+    exposed communication read from the trace, the same way for both trainers."""
+    traces = [dump / "profile" / "trace.json", *sorted(dump.glob("profile_traces/iteration_*/rank0_trace.json"))]
+    out = {}
+    if traces[-1].exists():
+        events = device_events(traces[-1])
+        out["kernel_mix"] = kernel_mix(events)
+        out.update({f"trace_{k}": v for k, v in exposed_comm(events).items()})
+    path = dump / "profile" / "summary.json"
+    if path.exists():
+        summary = json.loads(path.read_text())
+        out.update(exposed_comm_share=summary["exposed_comm_share"], profiled_step_ms=summary["step_time_ms"],
+                   busy_ms=summary["busy_ms"], kernel_ms=summary["kernel_ms"], top_kernels=summary["top_kernels"][:8])
+    return out
+
+
+def solver_prediction(dump: Path) -> dict:
+    """The solver's predicted step of an auto-placed run (plan.json beside its metrics)."""
+    path = dump / "plan.json"
+    if not path.exists():
+        return {}
+    predicted = json.loads(path.read_text())["predicted"]
+    return {"predicted_step_s": predicted["compute_and_optimizer_s"] + predicted["communication_s"]}
+
+
+def cost_model_prediction(dump: Path) -> dict:
+    """The cost model's prediction the trainer leaves beside its metrics (prediction.json): the step's compute,
+    and the communication the REAL job would leave exposed after bucketing and overlap, on the bandwidths named."""
+    path = dump / "prediction.json"
+    if not path.exists():
+        return {}
+    p = json.loads(path.read_text())
+    return {"predicted_compute_ms": p["compute_ms"], "predicted_exposed_comm_ms": p["exposed_comm_ms"],
+            "predicted_real_step_ms": p["step_ms"], "prediction_hardware": p.get("hardware"), "prediction_bandwidths": p.get("bandwidths")}
+
+
+def against_reference(run: Run, result: dict, results: list[dict]) -> dict:
+    """Losses (and grad norms) against the run named by `bitwise_with` in the same group: bitwise equal, or the
+    differences `bound` / `loss_bound` limit."""
+    ref = next((r for r in results if r["name"] == run.bitwise_with and r["group"] == run.group), None)
+    out: dict = {"bitwise_with": run.bitwise_with}
+    if ref is None:
+        # not run in this call nor merged (a CPU dry run has no torchtitan runs): nothing to judge
+        return {**out, "reference_missing": True}
+    out["bitwise_equal"] = bool(ref["losses"] and (ref["losses"], ref.get("grad_norms")) == (result["losses"], result["grad_norms"]))
+    if not (ref["losses"] and len(ref["losses"]) == len(result["losses"])):
+        return out
+    pairs = list(zip(ref["losses"] + ref["grad_norms"], result["losses"] + result["grad_norms"]))
+    out["max_rel_diff"] = max((abs(a - b) / max(abs(a), 1e-12) for a, b in pairs if a is not None and b is not None), default=0.0)
+    if run.bound:
+        out["bound"] = run.bound
+    if run.loss_bound:
+        diffs = [abs(a - b) for a, b in zip(ref["losses"], result["losses"])]
+        out.update(loss_bound=list(run.loss_bound), mean_abs_loss_diff=statistics.fmean(diffs), max_abs_loss_diff=max(diffs),
+                   first_step_abs_loss_diff=diffs[0])
+        out["within_loss_bound"] = out["mean_abs_loss_diff"] <= run.loss_bound[0] and out["max_abs_loss_diff"] <= run.loss_bound[1]
+    return out
+
+
+def run_suite(runs: list[Run], runs_dir: Path, timeout: int, earlier: list[dict], on_result: Callable[[list[dict]], None]) -> list[dict]:
+    """Run each in turn; `on_result` gets all results after every run, so a call cut short keeps what ran."""
+    results: list[dict] = list(earlier)
+    for run in runs:
+        dump = dump_folder(runs_dir, run.group, run.name)
+        print(f"== {run.group}: {run.name}", flush=True)
+        start = time.perf_counter()
+        rc, output, first_step = launch(command(run, runs_dir), {**os.environ, **run.env}, timeout)
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / "log.txt").write_text(output)
+        result = summarize(run, records(run, dump, output), time.perf_counter() - start, rc, error_lines(output))
+        result.update(profile(dump), **solver_prediction(dump), **cost_model_prediction(dump), env=run.env)
+        result["launch_to_first_step_s"] = first_step
+        protocols = nccl_protocols(output)
+        if protocols:
+            result["nccl_protocols"] = protocols
+        if run.bitwise_with:
+            result.update(against_reference(run, result, results))
+        # a run measured again replaces its earlier result
+        results = [r for r in results if (r["group"], r["name"]) != (run.group, run.name)] + [result]
+        print(json.dumps({k: v for k, v in result.items() if k not in ("losses", "grad_norms", "args", "nccl_protocols")}), flush=True)
+        on_result(results)
+    return results

@@ -1,0 +1,172 @@
+"""Suites of several GPUs of one host, real NCCL, every rank its own process under torchrun: `multi` (torchtitan 0.2.2
+and graph-trainer side by side on all GPUs of the machine), `numerics` (the same weights and tokens in both trainers;
+deterministic traced steps against eager, bit for bit) and the older `h200x2`.
+
+`multi` splits each config into two groups, each one device call (< 10 minutes) with its own torchtitan compile, so
+every ratio pairs runs of the same call: `<config>` (torchtitan eager and compile, ours eager and the best manual
+configuration, both sides profiled) and `<config> auto` (torchtitan compile, auto-placed with full Inductor, profiled,
+and with `autoparallel_backend`); auto-placed against our best manual is their ratios to torchtitan compile, each of
+its own call (an 8B's third cold compile would push the second call past 10 minutes). Our `--training.batch_size` is global: the per-rank batch times the
+data-parallel degree; torchtitan's `--training.local_batch_size` is the per-rank batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runs import FULL, FX, TRACE, Run, gt, titan
+
+# NCCL prints, per collective, the algorithm and protocol it chose (rank 0 of each communicator); bench/logs.py
+# reads them from the output
+NCCL_TUNING_LOG = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "TUNING"}
+
+
+@dataclass
+class MultiConfig:
+    group: str
+    model: str
+    flavor: str
+    layers: int
+    """Cut the flavor to this many layers (0: all); torchtitan's flavor `<flavor>-<layers>L` (bench/titan_spec.py)."""
+    local_batch: int
+    """Sequences per data-parallel rank."""
+    seq: int
+    dp_shard: int
+    tp: int = 1
+    ep: int = 1
+    ac: str = "none"
+
+    def gt_flags(self) -> list[str]:
+        mesh = ["--parallelism.dp_shard", str(self.dp_shard), "--parallelism.tp", str(self.tp)]
+        return mesh + (["--parallelism.ep", str(self.ep)] if self.ep > 1 else [])
+
+    def titan_flags(self) -> list[str]:
+        mesh = ["--parallelism.data_parallel_shard_degree", str(self.dp_shard), "--parallelism.tensor_parallel_degree", str(self.tp)]
+        return mesh + (["--parallelism.expert_parallel_degree", str(self.ep)] if self.ep > 1 else [])
+
+    def ac_flags(self) -> list[str]:
+        return ["--activation_checkpoint.mode", self.ac] + (["--activation_checkpoint.selective_ac_option", "2"] if self.ac == "selective" else [])
+
+    @property
+    def ranks(self) -> int:
+        return self.dp_shard * self.tp
+
+    @property
+    def titan_model(self) -> str:
+        return "gt_deepseek_v3" if self.model == "deepseek_v3" else "gt_llama3"
+
+    @property
+    def titan_flavor(self) -> str:
+        return f"{self.flavor}-{self.layers}L" if self.layers else self.flavor
+
+
+MULTI_CONFIGS = {
+    2: [
+        MultiConfig("1B dp2", "llama3", "1B", 0, 2, 4096, dp_shard=2),
+        MultiConfig("8B-16L dp2", "llama3", "8B", 16, 1, 8192, dp_shard=2, ac="selective"),
+        MultiConfig("8B-16L tp2", "llama3", "8B", 16, 1, 8192, dp_shard=1, tp=2, ac="selective"),
+        MultiConfig("DeepSeek 16B-6L dp2 ep2", "deepseek_v3", "16B", 6, 2, 4096, dp_shard=2, ep=2),
+    ],
+    4: [
+        MultiConfig("8B dp4", "llama3", "8B", 0, 1, 8192, dp_shard=4, ac="selective"),
+        MultiConfig("8B dp2 tp2", "llama3", "8B", 0, 1, 8192, dp_shard=2, tp=2, ac="selective"),
+        MultiConfig("1B dp4", "llama3", "1B", 0, 2, 4096, dp_shard=4),
+        # 12 of 27 layers (about 7B parameters: 28 GiB a rank of weights, gradients and AdamW state over 4 ranks)
+        # fit an H100 beside 2 x 4096 tokens of activations; the whole 16B needs about 63 GiB a rank before them
+        MultiConfig("DeepSeek 16B-12L dp4 ep4", "deepseek_v3", "16B", 12, 2, 4096, dp_shard=4, ep=4),
+    ],
+}
+
+
+def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
+    base = ["--model.name", c.model, "--model.flavor", c.flavor, "--training.seq_len", str(c.seq),
+            "--training.batch_size", str(c.local_batch * c.dp_shard), "--training.steps", str(steps),
+            "--training.random_tokens", "--training.no-deterministic", "--metrics.log_freq", "1",
+            *(["--model.n_layers", str(c.layers)] if c.layers else []), *c.gt_flags(), *c.ac_flags()]
+
+    def ours(name: str, group: str, extra: list[str], profile: bool = False) -> Run:
+        return gt(name, group, base, extra, nproc=c.ranks, env=dict(NCCL_TUNING_LOG), profile=profile)
+
+    def theirs(name: str, group: str, extra: list[str], profile: bool = False) -> Run:
+        run = titan(name, group, c.titan_flavor, c.local_batch, c.seq, steps, c.ranks, c.titan_flags() + c.ac_flags() + extra,
+                    model=c.titan_model, profile=profile)
+        run.env = dict(NCCL_TUNING_LOG)
+        return run
+
+    auto = f"{c.group} auto"
+    # the best manual configuration: aot_fx_trace, full Inductor and the default multi-rank overlap schedule
+    return [
+        theirs("titan eager", c.group, []),
+        theirs("titan compile", c.group, ["--compile.enable"], profile=True),
+        ours("gt eager", c.group, ["--compile.mode", "eager"]),
+        ours("gt aot_fx_trace full", c.group, FULL, profile=True),
+        theirs("titan compile", auto, ["--compile.enable"]),
+        ours("gt full auto-placed", auto, FULL + ["--compile.autoparallel"], profile=True),
+        ours("gt autoparallel_backend auto-placed", auto, TRACE + ["--compile.inductor_compilation", "autoparallel_backend",
+                                                                   "--compile.autoparallel"]),
+    ]
+
+
+def suite_multi(steps: int, gpus: int) -> list[Run]:
+    return [run for c in MULTI_CONFIGS[gpus] for run in multi_runs(c, steps)]
+
+
+SAME_WEIGHTS_STEPS = 100
+LOSS_BOUND = (5e-3, 2e-2)
+"""Mean and max |loss difference| over the 100-step curves of two trainers from the same weights and tokens (bf16
+compute, fp32 reduction; the loss is about 11.8, so 0.04% and 0.17% of it): their kernels and reduction orders
+differ from the first step on. The report also gives the same figures for torchtitan compile against its own eager,
+the spread one trainer's two modes show."""
+
+
+def suite_numerics(steps: int, gpus: int) -> list[Run]:
+    """On 2 GPUs: (a) graph-trainer and torchtitan from the same weights (our Hugging Face export of the 1B after one
+    step, loaded by both) on the same tokens for 100 steps, curves within LOSS_BOUND; (b) deterministic aot_fx_trace
+    run by FX equal to eager bit for bit: llama3 1B dp_shard 2 and tp 2, DeepSeek V3 debug dp_shard 2 x ep 2."""
+    group = "1B same weights"
+    one_b = ["--model.flavor", "1B", "--training.seq_len", "4096", "--training.batch_size", "4", "--training.random_tokens",
+             "--training.no-deterministic", "--metrics.log_freq", "1", "--parallelism.dp_shard", "2"]
+    curve = ["--training.steps", str(SAME_WEIGHTS_STEPS)]
+    # torchtitan's schedule as ours (its default warms up over 200 steps)
+    titan_schedule = ["--parallelism.data_parallel_shard_degree", "2", "--lr_scheduler.warmup_steps", "2"]
+
+    def theirs(name: str, extra: list[str]) -> Run:
+        return titan(name, group, "1B", 2, 4096, SAME_WEIGHTS_STEPS, 2, titan_schedule + extra)
+
+    runs = [gt("gt export", group, one_b, ["--training.steps", "1", "--compile.mode", "eager", "--checkpoint.last_save_in_hf"], nproc=2),
+            theirs("titan eager", []),
+            theirs("titan compile", ["--compile.enable"]),
+            gt("gt eager", group, one_b, curve + ["--compile.mode", "eager"], nproc=2),
+            gt("gt aot_fx_trace full", group, one_b, curve + FULL, nproc=2)]
+    for run, reference in zip(runs[1:], ("", "titan eager", "titan eager", "titan compile")):
+        run.start_from = "gt export"
+        if reference:
+            run.bitwise_with, run.loss_bound = reference, LOSS_BOUND
+    # Bitwise pairs run deterministic kernels; 2 sequences of 4096 a rank, as the one-GPU suite's 1B pair
+    one_b_bitwise = ["--model.flavor", "1B", "--training.seq_len", "4096", "--training.steps", "5", "--training.random_tokens",
+                     "--training.deterministic", "--metrics.log_freq", "1"]
+    deepseek = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--training.seq_len", "2048", "--training.batch_size",
+                "8", "--training.steps", "10", "--training.random_tokens", "--training.deterministic", "--metrics.log_freq", "1",
+                "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]
+    for group, flags in (("1B dp2 bitwise", one_b_bitwise + ["--training.batch_size", "4", "--parallelism.dp_shard", "2"]),
+                         ("1B tp2 bitwise", one_b_bitwise + ["--training.batch_size", "2", "--parallelism.tp", "2"]),
+                         ("DeepSeek debug dp2 ep2 bitwise", deepseek)):
+        runs += [gt("gt eager", group, flags, ["--compile.mode", "eager"], nproc=2),
+                 gt("gt aot_fx_trace", group, flags, FX, nproc=2, bitwise_with="gt eager")]
+    return runs
+
+
+def suite_h200x2(steps: int, gpus: int) -> list[Run]:
+    eight_b = ["--model.flavor", "8B", "--training.seq_len", "8192", "--training.batch_size", "2", "--training.steps",
+               str(steps), "--training.random_tokens", "--training.no-deterministic", "--parallelism.dp_shard", "2",
+               "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]
+    trace = ["--compile.mode", "aot_fx_trace"]
+    return [
+        titan("titan eager", "8B", "8B", 1, 8192, steps, 2, ["--activation_checkpoint.mode", "selective"]),
+        titan("titan compile", "8B", "8B", 1, 8192, steps, 2, ["--activation_checkpoint.mode", "selective", "--compile.enable"]),
+        gt("gt eager", "8B", eight_b, ["--compile.mode", "eager"], nproc=2),
+        gt("gt aot_fx_trace full + auto_bucketing", "8B", eight_b,
+            trace + ["--compile.inductor_compilation", "full", "--compile.passes", "auto_bucketing"], nproc=2),
+        gt("gt aot_fx_trace autoparallel_backend", "8B", eight_b, trace + ["--compile.inductor_compilation", "autoparallel_backend"], nproc=2),
+        gt("gt auto-placed autoparallel_backend", "8B", eight_b,
+            trace + ["--compile.inductor_compilation", "autoparallel_backend", "--compile.autoparallel"], nproc=2),
+    ]
