@@ -155,6 +155,16 @@ def test_documents_link_to_files_and_headings_that_exist():
     assert not broken, broken
 
 
+def test_documents_name_source_files_that_exist():
+    """A path like `passes/liveness.py` or tests/test_moe.py, from the repository or the package."""
+    missing = []
+    for document in DOCUMENTS:
+        for path in set(re.findall(r"(?<![\w/.])((?:[\w-]+/)+[\w-]+\.py)\b", (REPO / document).read_text())):
+            if not any((root / path).exists() for root in (REPO, REPO / "graph_trainer")):
+                missing.append(f"{document}: {path}")
+    assert not missing, missing
+
+
 def _pip(text: str) -> list[str]:
     """A pip command's words without what changes nothing it installs (`python -m`, `-q`)."""
     words = shlex.split(text)
