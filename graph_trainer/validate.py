@@ -90,6 +90,17 @@ def check_model(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
         raise ConfigError(f"model.n_layers must be >= 0 (0 keeps the flavor's), got {cfg.model.n_layers}")
 
 
+def check_data_path(path: str, flag: str) -> None:
+    """The data files a path names exist, open in their format and hold a document at their start (a
+    fault further into a file is found, as one line too, when the first run tokenizes it)."""
+    from .data.corpus import DataError, check_readable, data_files
+
+    try:
+        check_readable(data_files(path))
+    except DataError as e:
+        raise ConfigError(f"{flag}: {e}") from None
+
+
 def check_training(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
     t = cfg.training
     for name in ("steps", "batch_size", "seq_len", "gradient_accumulation_steps"):
@@ -102,8 +113,8 @@ def check_training(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
             f"training.batch_size={t.batch_size} is not divisible by dp degree ({dp}) * gradient_accumulation_steps "
             f"({t.gradient_accumulation_steps}) = {per_step}; use a multiple of {per_step}"
         )
-    if t.dataset_path and not Path(t.dataset_path).exists():
-        raise ConfigError(f"training.dataset_path {t.dataset_path} does not exist; pass an existing .txt/.jsonl/.parquet file or folder")
+    if t.dataset_path:
+        check_data_path(t.dataset_path, "--training.dataset_path")
     if cfg.model.tokenizer_path:
         from .data.tokenizer import TokenizerError, build_tokenizer
 
@@ -328,13 +339,21 @@ def check_initial_load_and_writers(cfg: JobConfig, degrees: tuple[int, int, int,
     model = models.build_on_meta(spec, args, device_type())
     what = f"{cfg.model.name} {cfg.model.flavor}" + (f" with {cfg.model.n_layers} layers" if cfg.model.n_layers else "")
     folder = Path(c.initial_load_path)
+    if not folder.is_dir():
+        what_folder = "a Hugging Face checkpoint folder" if c.initial_load_in_hf else "a step folder a save wrote (e.g. outputs/checkpoint/step-20)"
+        raise ConfigError(f"--checkpoint.initial_load_path {folder} is not a folder; pass {what_folder}")
     try:
         if c.initial_load_in_hf:
             check_hf_folder(folder, spec, model, args, what)
         else:
             check_dcp_folder(folder, model, what)
     except CheckpointError as e:
-        hint = "" if c.initial_load_in_hf or not (folder / "config.json").is_file() else " (a Hugging Face folder: add --checkpoint.initial_load_in_hf)"
+        if c.initial_load_in_hf:
+            hint = ""
+        elif (folder / "config.json").is_file():
+            hint = " (a Hugging Face folder: add --checkpoint.initial_load_in_hf)"
+        else:
+            hint = "; pass a step folder a finished save wrote (e.g. outputs/checkpoint/step-20)"
         raise ConfigError(f"{e}{hint}") from None
 
 
@@ -359,8 +378,8 @@ def check_validation(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None
     if v.enable and not (v.dataset_path or v.split):
         raise ConfigError("--validation.enable needs data the model does not train on: --validation.dataset_path FILE, "
                           "or --validation.split 0.1 to hold out a share of the training documents")
-    if v.dataset_path and not Path(v.dataset_path).exists():
-        raise ConfigError(f"validation.dataset_path {v.dataset_path} does not exist; pass an existing .txt/.jsonl/.parquet file or folder")
+    if v.dataset_path:
+        check_data_path(v.dataset_path, "--validation.dataset_path")
 
 
 _CHECKS_AFTER_MESH += (check_validation,)

@@ -44,6 +44,13 @@ def _write(name: str, text: str) -> Callable[[Path, Path], None]:
     return setup
 
 
+def _parquet(path: Path, **columns: list) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path)
+
+
 def _truncate_latest(prev: Path, scratch: Path) -> None:
     data = sorted((prev / "checkpoint" / "step-2").glob("*.distcp"))[0]
     data.write_bytes(data.read_bytes()[:100])
@@ -129,7 +136,40 @@ CASES = [
                                         "--profiling.steps", "2"], "--profiling.start_step 4 --profiling.steps 1"),
     # files
     Case("dataset_missing", ["--training.dataset_path", "{scratch}/none.txt"], "pass an existing .txt/.jsonl/.parquet"),
+    Case("dataset_is_a_json_file", ["--training.dataset_path", "{scratch}/data.json"], "data.json is not a supported format; a JSON file "
+         "must become JSON Lines: one object with a 'text' field per line, in a .jsonl file", setup=_write("data.json", '[{"text": "a b"}]')),
+    Case("dataset_csv", ["--training.dataset_path", "{scratch}/data.csv"], "data.csv is not a supported format; use .txt",
+         setup=_write("data.csv", "text\na b\n")),
+    Case("dataset_empty_file", ["--training.dataset_path", "{scratch}/e.jsonl"], "e.jsonl is empty; remove it or put documents in it",
+         setup=_write("e.jsonl", "")),
+    Case("dataset_only_blank_lines", ["--training.dataset_path", "{scratch}/b.txt"], "b.txt holds no document",
+         setup=_write("b.txt", "\n  \n\n")),
+    Case("dataset_folder_without_data", ["--training.dataset_path", "{scratch}"], "holds no file ending in .txt, .jsonl, .parquet",
+         setup=_write("README.md", "a dataset card\n")),
+    Case("dataset_jsonl_not_json", ["--training.dataset_path", "{scratch}/d.jsonl"], "d.jsonl:1: invalid JSON",
+         setup=_write("d.jsonl", "plain text, not JSON\n")),
+    Case("dataset_jsonl_without_text", ["--training.dataset_path", "{scratch}/d.jsonl"], "d.jsonl:1: expected an object with a string field 'text'",
+         setup=_write("d.jsonl", '{"content": "a b"}\n')),
+    Case("dataset_parquet_unreadable", ["--training.dataset_path", "{scratch}/d.parquet"], "d.parquet is not a readable Parquet file",
+         setup=_write("d.parquet", "not parquet bytes")),
+    Case("dataset_parquet_without_text", ["--training.dataset_path", "{scratch}/t.parquet"], "has no 'text' column (columns: body)",
+         setup=lambda prev, scratch: _parquet(scratch / "t.parquet", body=["a b"])),
+    Case("dataset_gzip_not_gzip", ["--training.dataset_path", "{scratch}/d.txt.gz"], "d.txt.gz cannot be read (Not a gzipped file",
+         setup=_write("d.txt.gz", "plain text\n")),
+    Case("dataset_not_utf8", ["--training.dataset_path", "{scratch}/l.txt"], "l.txt is not UTF-8 text",
+         setup=lambda prev, scratch: (scratch / "l.txt").write_bytes("caf\xe9\n".encode("latin-1"))),
+    Case("validation_dataset_json", ["--validation.enable", "--validation.dataset_path", "{scratch}/v.json"],
+         "--validation.dataset_path: data file", setup=_write("v.json", "{}")),
     Case("tokenizer_missing", ["--model.tokenizer_path", "{scratch}/tok.json"], "pass a tokenizer file or its folder"),
+    Case("tokenizer_not_a_tokenizer", ["--model.tokenizer_path", "{scratch}/vocab.json"], "is not a Hugging Face tokenizer file",
+         setup=_write("vocab.json", '{"a": 0}')),
+    Case("tokenizer_folder_without_one", ["--model.tokenizer_path", "{scratch}"], "must hold exactly one Hugging Face tokenizer file"),
+    Case("initial_load_missing", ["--checkpoint.initial_load_path", "{scratch}/nope"], "is not a folder; pass a step folder a save wrote"),
+    Case("initial_load_not_a_checkpoint", ["--checkpoint.initial_load_path", "{scratch}"], "pass a step folder a finished save wrote"),
+    Case("initial_load_hf_without_weights", ["--checkpoint.initial_load_path", "{scratch}", "--checkpoint.initial_load_in_hf"],
+         "pass a Hugging Face checkpoint folder"),
+    Case("plan_not_a_plan", ["--compile.autoparallel", "--compile.autoparallel_plan", "{scratch}/p.json"], "write one with `graph-trainer plan`",
+         setup=_write("p.json", "[1, 2]")),
     Case("dump_folder_is_a_file", ["--job.dump_folder", "{prev}/metrics.jsonl/run"], "is a file; pick another path"),
     Case("selective_ac_option", ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"], "'op' or an integer"),
     # passes
@@ -217,3 +257,14 @@ def test_bad_input_exits_2_with_one_line(case: Case, earlier_run: Path, tmp_path
 def test_matrix_is_large_enough():
     assert len(CASES) >= 30
     assert len({c.id for c in CASES}) == len(CASES)
+
+
+def test_a_fault_deep_in_the_data_is_one_line_too(tmp_path):
+    """Validation reads the start of each data file; a bad line further in is found when the first run
+    tokenizes the file (after the process group starts): one line and exit 2 all the same."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "fine"}\n' * 50 + "{broken\n")
+    proc = launch(["train", "--job.dump_folder", str(tmp_path / "run"), *SMALL, "--training.dataset_path", str(data)], timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("graph-trainer: error: ") and "d.jsonl:51: invalid JSON" in lines[0], proc.stderr

@@ -1,15 +1,22 @@
 import gzip
+import hashlib
 import json
+import logging
+import re
 import shutil
 from collections import Counter
+from pathlib import Path
+
+import numpy as np
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from graph_trainer.data import TokenLoader, build_tokenizer, read_documents
+from graph_trainer.data import DataError, TokenLoader, build_tokenizer, read_documents
 from graph_trainer.data.corpus import ASSETS_DIR, SHIPPED_CORPUS
+from graph_trainer.data.tokens import CACHE_FOLDER, TokenFile, tokenize_in_memory
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +32,7 @@ def corpus():
 @pytest.fixture(scope="module")
 def small_docs(corpus):
     # Small enough that a few batches wrap around the stream more than once.
-    return corpus[:6]
+    return list(corpus[:6])
 
 
 class _PlainTokenizer:
@@ -103,33 +110,33 @@ def test_build_tokenizer_from_file_and_directory(tmp_path, tokenizer):
 def test_read_txt_splits_on_blank_lines(tmp_path):
     path = tmp_path / "a.txt"
     path.write_bytes(b"first doc\nline two\r\n\r\n\n  \nsecond doc\n\n\nthird\n\n")
-    assert read_documents(str(path)) == ["first doc\nline two", "second doc", "third"]
+    assert list(read_documents(str(path))) == ["first doc\nline two", "second doc", "third"]
 
 
 def test_read_gzipped_txt(tmp_path):
     path = tmp_path / "a.txt.gz"
     with gzip.open(path, "wt", encoding="utf-8") as f:
         f.write("one\n\ntwo\n")
-    assert read_documents(str(path)) == ["one", "two"]
+    assert list(read_documents(str(path))) == ["one", "two"]
 
 
 def test_read_jsonl(tmp_path):
     path = tmp_path / "a.jsonl"
     rows = [{"text": "alpha\n\nstill alpha", "id": 1}, {"text": "beta"}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    assert read_documents(str(path)) == ["alpha\n\nstill alpha", "beta"]
+    assert list(read_documents(str(path))) == ["alpha\n\nstill alpha", "beta"]
     path.write_text(json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(ValueError, match="a.jsonl:1"):
-        read_documents(str(path))
+    with pytest.raises(DataError, match="a.jsonl:1: expected an object with a string field 'text'"):
+        list(read_documents(str(path)))
 
 
 def test_read_parquet(tmp_path):
     path = tmp_path / "a.parquet"
     pq.write_table(pa.table({"text": ["p1", "p2 ü"], "n": [1, 2]}), path)
-    assert read_documents(str(path)) == ["p1", "p2 ü"]
+    assert list(read_documents(str(path))) == ["p1", "p2 ü"]
     pq.write_table(pa.table({"body": ["x"]}), path)
-    with pytest.raises(ValueError, match="'text'"):
-        read_documents(str(path))
+    with pytest.raises(DataError, match="has no 'text' column"):
+        list(read_documents(str(path)))
 
 
 def test_read_directory_in_name_order(tmp_path):
@@ -137,17 +144,17 @@ def test_read_directory_in_name_order(tmp_path):
     (tmp_path / "a.txt").write_text("from a 1\n\nfrom a 2\n")
     pq.write_table(pa.table({"text": ["from c"]}), tmp_path / "c.parquet")
     (tmp_path / "README.md").write_text("ignored\n")
-    assert read_documents(str(tmp_path)) == ["from a 1", "from a 2", "from b", "from c"]
+    assert list(read_documents(str(tmp_path))) == ["from a 1", "from a 2", "from b", "from c"]
 
 
 def test_read_documents_bad_paths(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing.txt"):
+    with pytest.raises(DataError, match="missing.txt does not exist"):
         read_documents(str(tmp_path / "missing.txt"))
     bad = tmp_path / "data.csv"
     bad.write_text("text\nx\n")
-    with pytest.raises(ValueError, match="unsupported"):
+    with pytest.raises(DataError, match="data.csv is not a supported format"):
         read_documents(str(bad))
-    with pytest.raises(ValueError, match="no file"):
+    with pytest.raises(DataError, match="holds no file ending in"):
         read_documents(str(tmp_path))
 
 
@@ -249,3 +256,96 @@ def test_loader_rejects_bad_arguments(small_docs, tokenizer):
         TokenLoader(["tiny"], tokenizer, 1000, 1, 0, 1)
     with pytest.raises(ValueError, match="lacks"):
         TokenLoader(small_docs, tokenizer, 16, 2, 0, 1).load_state_dict({"seq_len": 16})
+
+
+# --- the token file ---------------------------------------------------------
+
+# The shipped corpus's token stream and the default run's first three batches (8 x 256, one rank) as the
+# loader that tokenized into Python lists made them: the token file must not change what the default run trains on.
+SHIPPED_TOKENS = 1_161_152
+SHIPPED_STREAM_SHA256 = "eefcbcd92ee610108df2f9a8bd89ebdf420be68bf39703f9f54168e83a0f3a03"
+SHIPPED_FIRST_BATCHES_SHA256 = "103f58b0a5d547284d262b95f7d270a670f99b728bced85a8ec58bc70723f812"
+
+
+def _sha256(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_shipped_default_run_reads_the_same_tokens_as_before(corpus, tokenizer):
+    loader = TokenLoader(corpus, tokenizer, 256, 8, 0, 1)
+    assert loader.num_tokens == SHIPPED_TOKENS
+    assert _sha256(loader.tokens) == SHIPPED_STREAM_SHA256
+    assert _sha256(*(t for _ in range(3) for t in loader.next_batch())) == SHIPPED_FIRST_BATCHES_SHA256
+
+
+def test_token_file_is_written_once_beside_the_data_and_follows_its_content(tmp_path, tokenizer, caplog):
+    data = tmp_path / "docs.jsonl"
+    docs = [f"document {i}: " + "the quick brown fox " * (i % 7 + 1) for i in range(300)]
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    with caplog.at_level(logging.INFO, logger="graph_trainer"):
+        first = TokenLoader(read_documents(str(data)), tokenizer, 16, 2, 0, 1)
+    assert re.search(r"tokenizing .*docs\.jsonl .*: 0% read", caplog.text)
+    assert re.search(r"tokenized .*docs\.jsonl: [\d,]+ tokens of 300 documents", caplog.text)
+    written = sorted(p.name for p in (tmp_path / CACHE_FOLDER).glob("*.tokens"))
+    assert len(written) == 1
+    assert torch.equal(first.tokens, tokenize_in_memory(docs, tokenizer))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="graph_trainer"):
+        again = TokenLoader(read_documents(str(data)), tokenizer, 16, 2, 0, 1)
+    assert "tokeniz" not in caplog.text
+    assert torch.equal(again.tokens, first.tokens)
+    # A held-out share is a range of the same file: the token streams of the two parts, back to back.
+    documents = read_documents(str(data))
+    head, tail = documents[:250], documents[250:]
+    assert (len(head), len(tail)) == (250, 50)
+    assert torch.equal(TokenLoader(tail, tokenizer, 16, 2, 0, 1).tokens, tokenize_in_memory(docs[250:], tokenizer))
+    assert torch.equal(torch.cat([TokenLoader(head, tokenizer, 16, 2, 0, 1).tokens, TokenLoader(tail, tokenizer, 16, 2, 0, 1).tokens]),
+                       first.tokens)
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:100]))
+    assert TokenLoader(read_documents(str(data)), tokenizer, 16, 2, 0, 1).num_tokens < first.num_tokens
+    assert len(list((tmp_path / CACHE_FOLDER).glob("*.tokens"))) == 2
+
+
+def _rss_anon() -> int:
+    """Bytes of this process's anonymous memory: a memory-mapped file's pages are not counted."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def test_a_corpus_of_100m_tokens_is_read_in_memory_independent_of_its_size(tmp_path, tokenizer):
+    """The token file is written directly (tokenizing 100M tokens would take minutes): token i is
+    i mod 2039, so every sample's content is known. A loader holding the stream as Python ints, as
+    before, needed ~174 bytes per token (17 GB here)."""
+    data = tmp_path / "big.txt"
+    data.write_text("a placeholder: the token file below stands for this data\n")
+    documents = read_documents(str(data))
+    modulus, chunk, chunks = 2039, 1 << 20, 100
+    token_file = TokenFile(documents, tokenizer)
+    token_file.base.parent.mkdir()
+
+    def blocks():
+        for c in range(chunks):
+            yield (np.arange(c * chunk, (c + 1) * chunk) % modulus).astype(np.int16), np.array([chunk])
+
+    token_file.write(blocks())
+    num_tokens, seq_len, batch = chunks * chunk, 2048, 4
+    before = _rss_anon()
+    loader = TokenLoader(documents, tokenizer, seq_len, batch, 0, 1)
+    assert loader.num_tokens == num_tokens > 100_000_000
+    samples = loader.samples_per_epoch
+    for position in (0, samples // 2, samples - batch):
+        loader.load_state_dict({**loader.state_dict(), "epoch": 0, "sample_in_epoch": position})
+        inputs, labels = loader.next_batch()
+        first = position * (seq_len + 1)
+        expected = (torch.arange(first, first + batch * (seq_len + 1)) % modulus).view(batch, seq_len + 1)
+        assert torch.equal(inputs, expected[:, :-1]) and torch.equal(labels, expected[:, 1:])
+    # Resume keeps the exact position: a new loader from the state gives the next batch.
+    state = loader.state_dict()
+    resumed = TokenLoader(read_documents(str(data)), tokenizer, seq_len, batch, 0, 1)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.next_batch(), loader.next_batch()))
+    # A few MB of batches and bookkeeping, against the file's 200 MB (and 17 GB before).
+    assert _rss_anon() - before < 16 * 2**20

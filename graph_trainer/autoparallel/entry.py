@@ -96,8 +96,8 @@ def check_plan_file(path: str, cfg: JobConfig, degrees: Any) -> dict[str, Any]:
         plan = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"compile.autoparallel_plan {path} is not valid JSON ({e}); write it again with `graph-trainer plan`") from None
-    if plan.get("version") != PLAN_VERSION or "model" not in plan or "mesh" not in plan:
-        raise ConfigError(f"compile.autoparallel_plan {path} is not a graph-trainer plan (version {PLAN_VERSION})")
+    if not isinstance(plan, dict) or plan.get("version") != PLAN_VERSION or "model" not in plan or "mesh" not in plan:
+        raise ConfigError(f"compile.autoparallel_plan {path} is not a graph-trainer plan (version {PLAN_VERSION}); write one with `graph-trainer plan`")
     spec = models.get_spec(cfg.model.name)
     args = spec.job_args(cfg)
     ours = model_identity(cfg, args)

@@ -1,21 +1,19 @@
 """Deterministic, resumable token batches sharded over data-parallel ranks."""
 
-from itertools import chain
+from typing import Iterable
 
 import torch
-from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-from graph_trainer.data.tokenizer import document_separator
+from graph_trainer.data.corpus import DataError
+from graph_trainer.data.tokens import token_stream
 
 
 class TokenLoader:
-    """Serve fixed-length next-token-prediction batches from a list of documents.
+    """Serve fixed-length next-token-prediction batches from documents.
 
-    Every document becomes ``BOS + tokens + separator`` (no BOS when the
-    tokenizer has none; the separator is `document_separator`'s: EOS, else SEP,
-    else nothing); the documents are concatenated into one stream that is cut
-    into non-overlapping samples of ``seq_len + 1`` tokens (a tail shorter than that is dropped). Global
-    microbatch ``k`` is samples ``[k*G, (k+1)*G)`` with
+    The documents' token stream (`tokens.token_stream`: memory-mapped from the corpus's token file
+    when they come from `read_documents`) is cut into non-overlapping samples of ``seq_len + 1``
+    tokens (a tail shorter than that is dropped). Global microbatch ``k`` is samples ``[k*G, (k+1)*G)`` with
     ``G = local_batch_size * dp_degree``, and rank ``r`` takes its contiguous
     slice of ``local_batch_size`` samples from it, so concatenating the ranks'
     batches in rank order gives exactly the batch of a single rank with
@@ -25,7 +23,7 @@ class TokenLoader:
 
     def __init__(
         self,
-        documents: list[str],
+        documents: Iterable[str],
         tokenizer,
         seq_len: int,
         local_batch_size: int,
@@ -44,13 +42,13 @@ class TokenLoader:
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
 
-        self.tokens = _tokenize(documents, tokenizer)
+        self.tokens = token_stream(documents, tokenizer)
         self.num_tokens = self.tokens.numel()
         self.samples_per_epoch = self.num_tokens // (seq_len + 1)
         if self.samples_per_epoch == 0:
-            raise ValueError(
-                f"documents hold {self.num_tokens} tokens, fewer than one sample of "
-                f"seq_len + 1 = {seq_len + 1}"
+            raise DataError(
+                f"the documents hold {self.num_tokens} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}; "
+                "give more data or a smaller --training.seq_len"
             )
         self._samples = self.tokens[: self.samples_per_epoch * (seq_len + 1)].view(
             self.samples_per_epoch, seq_len + 1
@@ -93,22 +91,3 @@ class TokenLoader:
                 )
         self._next_sample = state["epoch"] * self.samples_per_epoch + state["sample_in_epoch"]
 
-
-def _tokenize(documents: list[str], tokenizer) -> torch.Tensor:
-    """Concatenate ``BOS + doc + separator`` for every document into one compact tensor."""
-    prefix = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    separator = document_separator(tokenizer)
-    suffix = [] if separator is None else [separator]
-    if isinstance(tokenizer, HuggingFaceTokenizer):
-        # The wrapper's encode() takes one string at a time; the underlying
-        # Rust tokenizer's batch call spreads documents over all cores, which
-        # matters for start-up time on the full corpus. Its post-processor's
-        # special tokens (e.g. WordPiece's [CLS] ... [SEP]) are left out: the
-        # stream's structure is the one rule above, for every tokenizer family.
-        encodings = tokenizer.tokenizer.encode_batch(documents, add_special_tokens=False)
-        pieces = [part for enc in encodings for part in (prefix, enc.ids, suffix)]
-    else:
-        pieces = [[*prefix, *tokenizer.encode(doc), *suffix] for doc in documents]
-    # int16 halves the memory of int32 and covers vocabularies up to 32768 ids.
-    dtype = torch.int16 if tokenizer.get_vocab_size() <= 2**15 else torch.int32
-    return torch.tensor(list(chain.from_iterable(pieces)), dtype=dtype)
