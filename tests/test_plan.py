@@ -29,10 +29,11 @@ def test_plan_command_prints_and_writes(tmp_path):
     assert f"plan written to {tmp_path / 'plan.json'}" in out
 
 
-README_PLAN_S = {"8B on 8": 1.2, "8B on 8 x 8": 7.1, "70B on 8 x 8": 7.7}
-"""trace + build + solve as the README states them (measured on the shared 2-core machine at load 12-17)."""
-LOADED = 3.0
-"""Room for a 2-core machine busier than when the README's figures were measured."""
+DOCUMENTED_PLAN_S = {"8B on 8": 0.2, "8B on 8 x 8": 1.2, "70B on 8 x 8": 2.1}
+"""trace + build + solve as docs/placement.md states them for a 2-core machine at load 3-6."""
+LOADED = 4.0
+"""The suite's two xdist workers keep a 2-core CI machine at load 2-4, within the documented 3-6; the
+rest is room for a neighbour's burst (at load 12-17 the documented times are 3.7-6x these)."""
 
 
 def planned_in_time(tmp_path, limit_s: float, *flags: str) -> dict:
@@ -48,19 +49,19 @@ def planned_in_time(tmp_path, limit_s: float, *flags: str) -> dict:
 
 @pytest.mark.slow
 def test_plan_8b_on_8_fake_ranks_is_fast(tmp_path):
-    planned_in_time(tmp_path, LOADED * README_PLAN_S["8B on 8"], "--config", "configs/llama3_8b.toml", "--parallelism.dp_shard", "8")
+    planned_in_time(tmp_path, LOADED * DOCUMENTED_PLAN_S["8B on 8"], "--config", "configs/llama3_8b.toml", "--parallelism.dp_shard", "8")
 
 
 @pytest.mark.slow
 def test_plan_8b_on_8x8_fake_ranks_is_fast(tmp_path):
-    plan = planned_in_time(tmp_path, LOADED * README_PLAN_S["8B on 8 x 8"], "--config", "configs/llama3_8b.toml",
+    plan = planned_in_time(tmp_path, LOADED * DOCUMENTED_PLAN_S["8B on 8 x 8"], "--config", "configs/llama3_8b.toml",
                            "--parallelism.dp_shard", "8", "--parallelism.tp", "8")
     assert plan["params"]["layers.*.feed_forward.w1.weight"]["compute"] == ["R", "S0"]
 
 
 @pytest.mark.slow
 def test_plan_70b_on_8x8_fake_ranks_is_fast(tmp_path):
-    plan = planned_in_time(tmp_path, LOADED * README_PLAN_S["70B on 8 x 8"], "--config", "configs/llama3_70b.toml",
+    plan = planned_in_time(tmp_path, LOADED * DOCUMENTED_PLAN_S["70B on 8 x 8"], "--config", "configs/llama3_70b.toml",
                            "--parallelism.dp_shard", "8", "--parallelism.tp", "8")
     assert plan["params"]["layers.*.feed_forward.w2.weight"]["compute"] == ["R", "S1"]
 

@@ -94,8 +94,9 @@ def test_plan_16b_on_8_fake_ranks_is_fast(tmp_path):
     assert "layers.*.moe" in proc.stdout and "expert parallel over dp_shard, ep=8" in proc.stdout
     p = json.loads((tmp_path / "plan.json").read_text())
     assert p["moe"]["layers.*.moe"]["expert_parallel"] == {"dim": "dp_shard", "degree": 8}
-    # the README's 5.2 s, with room for a busier 2-core machine
-    assert p["program"]["total_s"] < 3 * 5.2 and p["fallbacks"] == []
+    # docs/placement.md's 5.2 s, measured at load 12-17: the dense plans' documented times there are 3.7-6x
+    # their times at load 3-6, which is where the suite's two xdist workers keep a 2-core machine
+    assert p["program"]["total_s"] < 5.2 and p["fallbacks"] == []
     attention = [n for u in p["units"] for n in u["nodes"] if n["op"] == "flex_attention"]
     assert len(attention) == 2 and all(n["ins"] == [["S0"]] * 12 for n in attention), attention
 
