@@ -6,7 +6,6 @@ import fcntl
 import hashlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,13 +16,6 @@ from graph_trainer.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 900
-
-
-def free_port() -> int:
-    """For ranks started without torchrun, which need a MASTER_PORT up front."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:

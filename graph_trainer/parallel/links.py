@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -61,14 +62,16 @@ def mesh_dims(meshes) -> list[tuple[str, list[list[int]]]]:
     return out
 
 
-def gather_twins(meshes) -> dict[str, str]:
-    """Group name -> the name of its twin communicator (same ranks), made once per process group."""
+def gather_twins(meshes, timeout: timedelta) -> dict[str, str]:
+    """Group name -> the name of its twin communicator (same ranks), made once per process group.
+    `timeout`: the job's collective timeout (--comm.timeout_seconds); a new group's default (gloo 30
+    minutes, NCCL 10) would keep a rank waiting on a dead peer that long."""
     twins = _current("twins", _TWINS)
     if twins:
         return twins
     for name, groups in mesh_dims(meshes):
         # every rank makes every group of the dimension, in the same order: no rank waits on another's choice
-        mine, _ = dist.new_subgroups_by_enumeration(groups)
+        mine, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
         twins[name] = mine.group_name
     return twins
 

@@ -12,6 +12,8 @@ changes: same ranks, same data, bitwise the same step.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
 from torch import fx
 
@@ -42,7 +44,7 @@ def gathers_parameters(node: fx.Node, params: set[fx.Node]) -> bool:
 def separate_gather_group(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.meshes is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return gm
-    twins = gather_twins(ctx.meshes)
+    twins = gather_twins(ctx.meshes, timedelta(seconds=ctx.cfg.comm.timeout_seconds))
     params = set(gm.graph.find_nodes(op="placeholder")[: ctx.num_params])
     moved = 0
     for node in gm.graph.find_nodes(op="call_function", target=ALL_GATHER):
