@@ -1,4 +1,4 @@
-"""`graph-trainer train | plan | compare | export` (also `python -m graph_trainer`).
+"""`graph-trainer train | precompile | plan | compare | export` (also `python -m graph_trainer`).
 
 Argument and config errors become one line on stderr and exit code 2, before any process group or
 model exists; `--help` is rendered by tyro from the config dataclasses.
@@ -54,6 +54,21 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+def cmd_precompile(argv: list[str]) -> int:
+    """`graph-trainer precompile` + the job's train flags: fill its compile cache on one process (precompile.py)."""
+    cfg = parse_args(argv)
+    from .precompile import check, fake_job, precompile
+    from .validate import validate
+
+    world_size = check(cfg)
+    validate(fake_job(cfg, world_size, 0))
+    _setup_logging()
+    outcomes = precompile(cfg, world_size)
+    stands = f" (rank 0 stands for all {world_size})" if len(outcomes) < world_size else ""
+    print(f"precompile: {'; '.join(f'rank {r}: {o}' for r, o in outcomes.items())}{stands}")
+    return 0
+
+
 def cmd_export(argv: list[str]) -> int:
     """`graph-trainer export --checkpoint STEP_FOLDER --out HF_FOLDER`: a saved DCP step as a Hugging Face checkpoint."""
     import argparse
@@ -61,7 +76,8 @@ def cmd_export(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="graph-trainer export", description=cmd_export.__doc__)
     parser.add_argument("--checkpoint", required=True, help="a complete step folder, e.g. outputs/checkpoint/step-20")
-    parser.add_argument("--out", required=True, help="folder for model.safetensors and config.json (replaced if it exists)")
+    parser.add_argument("--out", required=True, help="folder for model.safetensors and config.json; an earlier export there is replaced")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out even when it is a non-empty folder that is not an earlier export")
     try:
         opts = parser.parse_args(argv)
     except SystemExit as e:
@@ -72,14 +88,14 @@ def cmd_export(argv: list[str]) -> int:
     from .hf_checkpoint import export
 
     try:
-        export(Path(opts.checkpoint), Path(opts.out))
+        export(Path(opts.checkpoint), Path(opts.out), opts.overwrite)
     except CheckpointError as e:
         return _error(str(e))
     return 0
 
 
 def _commands() -> dict[str, Callable[[list[str]], int]]:
-    commands: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "export": cmd_export}
+    commands: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "precompile": cmd_precompile, "export": cmd_export}
     try:
         from .plan import cmd_plan
 
@@ -105,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command not in commands:
         return _error(f"unknown command {command!r}; use one of: {', '.join(commands)}")
-    if any(a in ("-h", "--help") for a in rest) and command == "train":
+    if any(a in ("-h", "--help") for a in rest) and command in ("train", "precompile"):
         return _help(command)
     try:
         return commands[command](rest)

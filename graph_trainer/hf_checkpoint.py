@@ -41,6 +41,7 @@ _SUFFIX = ".safetensors"
 # Tensors HF checkpoints may carry that no model here has a place for (recomputed, not learned).
 _IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 _TIED = ("lm_head.weight", "model.embed_tokens.weight")
+_CORRECTION_BIAS = ".mlp.gate.e_score_correction_bias"
 
 
 def adapter(spec: ModelSpec, args: Any):
@@ -202,12 +203,42 @@ def load_initial(model: nn.Module, spec: ModelSpec, args: Any, folder: Path, in_
         raise CheckpointError(f"initial checkpoint {folder} cannot be loaded ({reason})") from e
 
 
+def rope_scaling(spec: ModelSpec, args: Any) -> dict[str, Any] | None:
+    """The RoPE scaling torchtitan applies, in the form `transformers` reads from config.json.
+
+    Llama 3 always scales its frequencies. DeepSeek applies YaRN, and the attention's mscale that goes
+    with it, only when the model was built for sequences longer than `original_seq_len`; torchtitan
+    scales the softmax by mscale^2 but leaves cos/sin alone, hence `mscale_all_dim` and an
+    `attention_factor` of 1. Qwen3 does not scale."""
+    if spec.name == "llama3":
+        r = args.rope_scaling_args
+        return {"rope_type": "llama3", "factor": r.scaling_factor, "low_freq_factor": r.low_freq_factor,
+                "high_freq_factor": r.high_freq_factor, "original_max_position_embeddings": r.original_max_position_embeddings}
+    if spec.name == "deepseek_v3" and args.max_seq_len > args.original_seq_len:
+        return {"rope_type": "yarn", "factor": args.rope_factor, "original_max_position_embeddings": args.original_seq_len,
+                "beta_fast": args.beta_fast, "beta_slow": args.beta_slow, "mscale": args.mscale, "mscale_all_dim": args.mscale,
+                "attention_factor": 1.0}
+    return None
+
+
+def _deepseek_routing(moe: Any) -> dict[str, Any]:
+    """DeepSeek V3's sigmoid router is `DeepseekV3ForCausalLM`'s; the softmax router of the smaller
+    flavors (DeepSeek-V2 shapes) is `DeepseekV2ForCausalLM`'s (see `_v2_lacks` for what it cannot hold)."""
+    groups = {"n_group": moe.num_expert_groups or 1, "topk_group": moe.num_limited_groups or 1}
+    if moe.score_func == "sigmoid":
+        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "norm_topk_prob": moe.route_norm,
+                "rope_interleave": True, **groups}
+    return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "norm_topk_prob": moe.route_norm,
+            "topk_method": "group_limited_greedy" if moe.num_expert_groups else "greedy", **groups}
+
+
 def hf_config(spec: ModelSpec, args: Any, flavor: str, shapes: dict[str, list[int]]) -> dict[str, Any]:
     """config.json in the field names of the HF model class of the family, plus a `graph_trainer`
     entry naming the model as this package knows it."""
     common = {
         "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
         "vocab_size": args.vocab_size, "max_position_embeddings": spec.flavors[flavor].max_seq_len, "rope_theta": args.rope_theta,
+        "rope_scaling": rope_scaling(spec, args),
         "rms_norm_eps": getattr(args, "norm_eps", 1e-6), "hidden_act": "silu", "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
@@ -226,21 +257,18 @@ def hf_config(spec: ModelSpec, args: Any, flavor: str, shapes: dict[str, list[in
         else:
             config.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"})
     else:
-        config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-                  "num_key_value_heads": args.n_heads, "intermediate_size": args.inter_dim,
+        config = {"num_key_value_heads": args.n_heads, "intermediate_size": args.inter_dim,
                   "moe_intermediate_size": args.moe_inter_dim, "n_routed_experts": moe.num_experts,
                   "n_shared_experts": moe.num_shared_experts, "num_experts_per_tok": moe.top_k,
                   "first_k_dense_replace": args.n_dense_layers, "q_lora_rank": args.q_lora_rank or None,
                   "kv_lora_rank": args.kv_lora_rank, "qk_nope_head_dim": args.qk_nope_head_dim,
                   "qk_rope_head_dim": args.qk_rope_head_dim, "v_head_dim": args.v_head_dim,
-                  "n_group": moe.num_expert_groups or 1, "topk_group": moe.num_limited_groups or 1,
-                  "routed_scaling_factor": moe.route_scale, "scoring_func": moe.score_func,
-                  "norm_topk_prob": moe.route_norm}
+                  "routed_scaling_factor": moe.route_scale, **_deepseek_routing(moe)}
     return {**common, **config, "graph_trainer": {"model": spec.name, "flavor": flavor, "n_layers": args.n_layers}}
 
 
 def _dropped_on_export(state: dict[str, Any], conv: Any) -> list[str]:
-    """Our tensors the HF format of the family has no name for (Qwen3 MoE's expert_bias)."""
+    """Our tensors the HF format of the family has no name for."""
     dropped = []
     for k, v in state.items():
         try:
@@ -252,12 +280,25 @@ def _dropped_on_export(state: dict[str, Any], conv: Any) -> list[str]:
     return dropped
 
 
+def _v2_lacks(config: dict[str, Any], names: list[str]) -> list[str]:
+    """What of torchtitan's softmax routing HF's DeepseekV2 router does not compute. The load-balancing
+    bias stays in the files (our own loads get it back) though DeepseekV2 does not read it."""
+    if config["model_type"] != "deepseek_v2":
+        return []
+    biased = sum(name.endswith(_CORRECTION_BIAS) for name in names)
+    lacks = [f"the load-balancing bias of {biased} layers (saved, but not read by it)"] if biased else []
+    if config.get("topk_method") == "group_limited_greedy":
+        lacks.append("torchtitan's ranking of expert groups by their best two scores (it takes the best one)")
+    return lacks
+
+
 def save_hf(model: nn.Module, spec: ModelSpec, args: Any, flavor: str, out: Path) -> Path:
     """Write `out/` (via `out.tmp/`, renamed when complete): one consolidated `model.safetensors`
     with HF names and `config.json`. Collective when a process group exists."""
     conv = adapter(spec, args)
     state = get_model_state_dict(model, options=_options())
     hf = conv.to_hf(_without_replicated_dims(state))
+    config = hf_config(spec, args, flavor, {k: list(v.shape) for k, v in hf.items()})
     distributed = dist.is_initialized()
     rank0 = not distributed or dist.get_rank() == 0
     tmp = out.with_name(out.name + ".tmp")
@@ -270,12 +311,15 @@ def save_hf(model: nn.Module, spec: ModelSpec, args: Any, flavor: str, out: Path
              no_dist=not distributed)
     if rank0:
         shutil.rmtree(tmp / "sharded", ignore_errors=True)
-        shapes = {k: list(v.shape) for k, v in hf.items()}
-        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config(spec, args, flavor, shapes), indent=1) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
         dropped = _dropped_on_export(state, conv)
         if dropped:
             logger.warning(f"the Hugging Face format of {spec.name} has no place for {', '.join(dropped[:3])}"
                            f"{' and more' if len(dropped) > 3 else ''}: not saved in {out}")
+        lacks = _v2_lacks(config, list(hf))
+        if lacks:
+            logger.warning(f"DeepseekV2ForCausalLM (the softmax router of {spec.name} {flavor}) lacks {' and '.join(lacks)}: "
+                           f"where they decide which experts a token goes to, {out} picks others than we trained with")
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         logger.info(f"saved Hugging Face checkpoint {out}")
@@ -287,11 +331,42 @@ def save_hf(model: nn.Module, spec: ModelSpec, args: Any, flavor: str, out: Path
 _MODEL_DESCRIPTION = re.compile(r"^(\S+) (\S+) n_layers=(\d+)$")
 
 
-def export(folder: Path, out: Path) -> Path:
+def _is_export(folder: Path) -> bool:
+    try:
+        return "graph_trainer" in json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def check_export_target(folder: Path, out: Path, overwrite: bool) -> None:
+    """Refuse an output folder whose replacement would delete checkpoints or someone's files: one that
+    is, holds or lies inside the step folder or its checkpoint root (the other steps live there), or a
+    non-empty folder that is not an earlier export, unless `overwrite`."""
+    source, target = folder.resolve(), out.resolve()
+    root = source.parent
+    relation = None
+    if target in (source, root):
+        relation, guarded = "is", target
+    elif source.is_relative_to(target):
+        relation, guarded = "holds", source
+    elif target.is_relative_to(root):
+        relation, guarded = "lies inside", source if target.is_relative_to(source) else root
+    if relation:
+        raise CheckpointError(f"--out {out} {relation} the checkpoint folder {guarded}, and an export replaces its output folder; "
+                              f"pass a folder outside {root}")
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"--out {out} is a file; pass a folder")
+    if target.is_dir() and any(target.iterdir()) and not _is_export(target) and not overwrite:
+        raise CheckpointError(f"--out {out} is a non-empty folder that is not an earlier export; "
+                              "pass an empty or new folder, or --overwrite to replace it")
+
+
+def export(folder: Path, out: Path, overwrite: bool = False) -> Path:
     """One of our DCP step folders -> an HF checkpoint, in this process alone (the whole model is
-    held in host memory once)."""
+    held in host memory once). The vocabulary is the checkpoint's (a tokenizer's, padded), not the flavor's."""
     from . import models
 
+    check_export_target(folder, out, overwrite)
     meta = read_meta(folder)
     m = _MODEL_DESCRIPTION.match(str(meta.get("model", "")))
     if not m or m.group(1) not in models.model_names():
@@ -300,11 +375,13 @@ def export(folder: Path, out: Path) -> Path:
     spec = models.get_spec(name)
     if flavor not in spec.flavors:
         raise CheckpointError(f"checkpoint {folder} holds {name} {flavor}, a flavor this version does not know")
-    args = spec.args_for(flavor, int(meta.get("seq_len", 2048)), n_layers)
+    vocab = meta.get("params", {}).get("tok_embeddings.weight", [0])[0]
+    args = spec.args_for(flavor, int(meta.get("seq_len", 2048)), n_layers, vocab_size=vocab)
     model = models.build_on_meta(spec, args, "cpu")
     check_dcp_folder(folder, model, f"{name} {flavor}")
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     model.load_state_dict(state["model"], strict=False)
-    return save_hf(model, spec, args, flavor, out)
+    # resolved: the temporary folder is named after the output's name, which `--out .` lacks
+    return save_hf(model, spec, args, flavor, out.resolve())

@@ -40,10 +40,8 @@ class ModelSpec:
         """The model args a job config asks for (flavor, sequence length, layers, attention, vocabulary).
 
         A job that trains on text with `--model.tokenizer_path` gets that tokenizer's vocabulary size
-        (`tokenizer` when the caller has loaded it), rounded up to a multiple of the tp degree: TP splits
-        the embedding and output over the vocabulary, and uneven splits break its collectives (the extra
-        rows are ids no token has, as in Megatron's vocabulary padding). The shipped tokenizer's 2048 ids
-        fit every flavor, which keeps its own vocabulary then, as it does on random tokens (the
+        (`tokenizer` when the caller has loaded it) padded by `padded_vocab`. The shipped tokenizer's
+        2048 ids fit every flavor, which keeps its own vocabulary then, as it does on random tokens (the
         benchmarks share it with torchtitan)."""
         m = cfg.model
         vocab_size = 0
@@ -52,9 +50,20 @@ class ModelSpec:
                 from .data.tokenizer import build_tokenizer
 
                 tokenizer = build_tokenizer(m.tokenizer_path)
-            tp = max(cfg.parallelism.tp, 1)
-            vocab_size = -(-tokenizer.get_vocab_size() // tp) * tp
+            vocab_size = padded_vocab(tokenizer.get_vocab_size())
         return self.args_for(m.flavor, cfg.training.seq_len, m.n_layers, m.attention, vocab_size)
+
+
+VOCAB_MULTIPLE = 128
+
+
+def padded_vocab(tokens: int) -> int:
+    """Rows of the embedding and output for a tokenizer of `tokens` ids: the next multiple of
+    `VOCAB_MULTIPLE` (as Megatron pads). TP splits both over the vocabulary and uneven splits break
+    its collectives; a fixed multiple that every tp the validator allows divides (tp divides the
+    heads, and every flavor's head counts divide 128) keeps the stored model the same on every mesh,
+    so a checkpoint or export resumes on any other. The extra rows are ids no token has."""
+    return -(-tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 def _llama3() -> ModelSpec:
@@ -93,7 +102,10 @@ def _qwen3() -> ModelSpec:
         # SimpleFSDP gives every parameter its own sharded storage, so a tied output projection would
         # silently become a second, uninitialised tensor: tied flavors train with separate weights,
         # both initialised as torchtitan does (HF checkpoints without lm_head load it from the embedding).
-        flavors[name] = dataclasses.replace(args, enable_weight_tying=False)
+        # Qwen3 MoE routes by its softmax scores alone (Hugging Face's Qwen3MoE has no score-correction
+        # bias): torchtitan's load-balancing bias would make every export pick other experts than we trained.
+        moe_args = dataclasses.replace(args.moe_args, load_balance_coeff=None)
+        flavors[name] = dataclasses.replace(args, enable_weight_tying=False, moe_args=moe_args)
     return ModelSpec("qwen3", flavors, Qwen3Model, is_moe=True, hf_adapter=Qwen3StateDictAdapter)
 
 

@@ -19,7 +19,7 @@ import torch
 
 from helpers import launch, losses, read_metrics, run_train
 
-from graph_trainer import models
+from graph_trainer import cli, models
 
 SMALL = ["--training.batch_size", "4", "--training.seq_len", "64", "--model.n_layers", "2", "--compile.mode", "eager"]
 MODELS = {
@@ -117,10 +117,18 @@ def test_round_trip_in_the_compiled_modes(saved, tmp_path, mode):
 
 @pytest.mark.slow
 def test_export_writes_the_same_tensors_as_last_save_in_hf(saved, tmp_path):
+    """Also: an earlier export is replaced without asking, any other non-empty folder only with --overwrite."""
     from safetensors.torch import load_file
 
     source = saved("qwen3")
-    proc = launch(["export", "--checkpoint", str(source / "checkpoint" / "step-2"), "--out", str(tmp_path / "hf")])
+    step = str(source / "checkpoint" / "step-2")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "notes.txt").write_text("mine")
+    assert cli.main(["export", "--checkpoint", step, "--out", str(tmp_path / "hf")]) == 2
+    assert (tmp_path / "hf" / "notes.txt").read_text() == "mine"
+    assert cli.main(["export", "--checkpoint", step, "--out", str(tmp_path / "hf"), "--overwrite"]) == 0
+    assert not (tmp_path / "hf" / "notes.txt").exists()
+    proc = launch(["export", "--checkpoint", step, "--out", str(tmp_path / "hf")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     exported = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
     at_end = {k: v for f in sorted((source / "checkpoint" / "step-2-hf").glob("*.safetensors")) for k, v in load_file(f).items()}
@@ -128,6 +136,35 @@ def test_export_writes_the_same_tensors_as_last_save_in_hf(saved, tmp_path):
     assert "model.layers.1.self_attn.q_norm.weight" in exported
     assert all(torch.equal(exported[k], at_end[k]) for k in exported)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "qwen3"
+
+
+# --out relative to a dump folder X holding X/checkpoint/step-{1,2}; the export reads step-2.
+UNSAFE_OUT = {
+    "the_checkpoint_root": ("X/checkpoint", "is the checkpoint folder"),
+    "the_step_folder": ("X/checkpoint/step-2", "is the checkpoint folder"),
+    "the_dump_folder": ("X", "holds the checkpoint folder"),
+    "the_working_folder": (".", "holds the checkpoint folder"),
+    "inside_the_step": ("X/checkpoint/step-2/hf", "lies inside the checkpoint folder"),
+    "beside_the_steps": ("X/checkpoint/hf", "lies inside the checkpoint folder"),
+    "a_non_empty_folder": ("notes", "is a non-empty folder that is not an earlier export"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNSAFE_OUT))
+def test_export_refuses_an_output_that_would_delete_checkpoints_or_files(case, tmp_path, monkeypatch, capsys):
+    out, needle = UNSAFE_OUT[case]
+    files = [tmp_path / "X" / "checkpoint" / f"step-{n}" / "meta.json" for n in (1, 2)] + [tmp_path / "notes" / "a.txt"]
+    for f in files:
+        f.parent.mkdir(parents=True)
+        f.write_text("kept")
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["export", "--checkpoint", "X/checkpoint/step-2", "--out", out])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith("graph-trainer: error: --out "), lines
+    assert needle in lines[0], lines
+    assert all(f.read_text() == "kept" for f in files)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["X", "notes"]
 
 
 def titan_checkpoint(folder: Path, name: str, flavor: str, shards: int) -> dict[str, torch.Tensor]:

@@ -15,12 +15,12 @@ import torch.distributed as dist
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from graph_trainer import cli, trainer
-from graph_trainer.models import get_spec, install_attention_masks
+from graph_trainer.models import VOCAB_MULTIPLE, get_spec, install_attention_masks, padded_vocab
 from graph_trainer.config import parse_args
 from graph_trainer.data import read_documents
 from graph_trainer.passes.registry import run_teardowns
 
-from helpers import child_env, launch
+from helpers import child_env, launch, run_train
 
 DOCS = read_documents(None)[:40]
 
@@ -71,14 +71,14 @@ FAMILIES = {
 }
 
 
-def _train_with(path: Path, dump: Path, monkeypatch) -> tuple[trainer.GraphTrainer, list[dict]]:
+def _train_with(path: Path, dump: Path, monkeypatch, *extra: str) -> tuple[trainer.GraphTrainer, list[dict]]:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     data = dump.parent / "docs.txt"
     data.write_text("\n\n".join(DOCS))
     cfg = parse_args(["--model.tokenizer_path", str(path), "--training.dataset_path", str(data), "--training.steps", "2",
                       "--training.seq_len", "64", "--training.batch_size", "2", "--model.n_layers", "2",
-                      "--job.dump_folder", str(dump), "--metrics.progress_bar", "false"])
+                      "--job.dump_folder", str(dump), "--metrics.progress_bar", "false", *extra])
     from graph_trainer.validate import validate
 
     validate(cfg)
@@ -97,7 +97,7 @@ def test_every_tokenizer_family_trains_with_its_vocabulary_and_separators(family
     file = _save(tmp_path / "tok", name, raw, config)
     run, records = _train_with(file.parent if pass_folder else file, tmp_path / "out", monkeypatch)
 
-    vocab = raw.get_vocab_size()
+    vocab = padded_vocab(raw.get_vocab_size())
     assert vocab != 2048  # the flavor's: following the tokenizer must change it
     assert run.model.model_args.vocab_size == vocab
     assert run.model.tok_embeddings.weight.shape[0] == vocab
@@ -114,25 +114,58 @@ def test_every_tokenizer_family_trains_with_its_vocabulary_and_separators(family
 
 
 def test_config_token_missing_from_the_vocabulary_is_added_and_counted(tmp_path, monkeypatch):
-    """A tokenizer_config.json naming an EOS the tokenizer lacks: Hugging Face adds it, so the model's
-    vocabulary is one larger than the file's and every document ends with the new id."""
+    """A tokenizer_config.json naming an EOS the tokenizer lacks: Hugging Face adds it, so the tokenizer
+    has one id more than the file and every document ends with the new id."""
     raw = _bpe([])
     file = _save(tmp_path / "tok", "tokenizer.json", raw, {"eos_token": "<|end|>"})
     run, _ = _train_with(file.parent, tmp_path / "out", monkeypatch)
-    assert run.model.tok_embeddings.weight.shape[0] == raw.get_vocab_size() + 1
+    assert run.tokenizer.get_vocab_size() == raw.get_vocab_size() + 1
     eos = raw.get_vocab_size()
     assert run.loader.tokens.tolist().count(eos) == len(DOCS)
 
 
-def test_vocabulary_is_padded_to_a_multiple_of_tp(tmp_path):
-    """TP splits embedding and output over the vocabulary: 401 ids become 402 rows on tp=2, 401 on tp=1,
-    and random tokens keep the flavor's 2048."""
+def test_vocabulary_is_padded_to_the_same_multiple_on_every_mesh(tmp_path):
+    """401 ids become 512 rows on tp 1 and tp 2 alike; random tokens keep the flavor's 2048."""
     _save(tmp_path / "tok", "t.json", _bpe(["<s>"]), {"bos_token": "<s>", "eos_token": "<|new|>"})
     spec = get_spec("llama3")
     args = ["--model.tokenizer_path", str(tmp_path / "tok")]
-    assert spec.job_args(parse_args(args)).vocab_size == 401
-    assert spec.job_args(parse_args([*args, "--parallelism.tp", "2"])).vocab_size == 402
+    assert spec.job_args(parse_args(args)).vocab_size == 512
+    assert spec.job_args(parse_args([*args, "--parallelism.tp", "2"])).vocab_size == 512
     assert spec.job_args(parse_args([*args, "--training.random_tokens"])).vocab_size == 2048
+
+
+def test_every_tp_the_validator_allows_divides_the_vocabulary_multiple():
+    """The validator lets a tp through when it divides the flavor's head counts; padding to
+    VOCAB_MULTIPLE keeps the mesh out of the stored model only if each such tp divides it too."""
+    from graph_trainer.models import model_names
+
+    for name in model_names():
+        for flavor, args in get_spec(name).flavors.items():
+            heads = [args.n_heads] + ([args.n_kv_heads] if getattr(args, "n_kv_heads", None) else [])
+            allowed = [tp for tp in range(1, args.n_heads + 1) if all(h % tp == 0 for h in heads)]
+            assert all(VOCAB_MULTIPLE % tp == 0 for tp in allowed), (name, flavor, allowed)
+            assert args.vocab_size % VOCAB_MULTIPLE == 0, (name, flavor, args.vocab_size)
+
+
+def test_odd_vocabulary_trained_at_tp_1_exports_and_resumes_at_tp_2(tmp_path, monkeypatch):
+    """A tokenizer whose size no tp divides: the checkpoint of a tp 1 run exports with its own vocabulary
+    and resumes on a tp 2 mesh of 2 gloo ranks, which trains on from it."""
+    raw = _bpe(["<s>"])
+    ids = raw.get_vocab_size() + 1  # with the EOS the config adds
+    assert ids % 2 == 1
+    file = _save(tmp_path / "tok", "tokenizer.json", raw, {"bos_token": "<s>", "eos_token": "<|new|>"})
+    dump = tmp_path / "out"
+    _train_with(file.parent, dump, monkeypatch, "--checkpoint.enable", "--compile.mode", "eager")
+
+    proc = launch(["export", "--checkpoint", str(dump / "checkpoint" / "step-2"), "--out", str(tmp_path / "hf")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["vocab_size"] == padded_vocab(ids)
+
+    records = run_train(["--config", str(dump / "config.toml"), "--training.steps", "3", "--parallelism.dp_shard", "1",
+                         "--parallelism.tp", "2"], dump, nproc=2)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert math.isfinite(records[-1]["loss"])
 
 
 @torch.no_grad()
