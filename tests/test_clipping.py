@@ -1,53 +1,78 @@
 """Gradient clipping (clipping.py) on local shards equals torchtitan's clip_grad_norm_ on the DTensor
-gradients bit for bit: the norm, and every gradient after scaling, with and without expert parallelism,
-whether or not the clip binds."""
+gradients bit for bit, on two gloo ranks whose gradients are really sharded (dp_shard 2; with expert
+parallelism, the experts on ep 2): the norm, and every gradient shard after scaling, whether or not the
+clip binds. The eager and the traced step share clipping.py, so their parity cannot catch an error in it.
+
+The ranks run this file under torchrun (`python -m torch.distributed.run ... tests/test_clipping.py`)."""
 
 from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torchtitan.distributed.utils import clip_grad_norm_ as titan_clip_grad_norm_
 
 from graph_trainer.clipping import clip_grad_norm_
 
-
-@pytest.fixture(scope="module")
-def meshes():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    dense = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    experts = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard_mod_ep", "ep"))
-    yield dense, experts
-    dist.destroy_process_group()
+MAX_NORMS = (0.5, 1e4, math.inf)
+CASES = 2 * len(MAX_NORMS)
 
 
-def _params(meshes, with_experts: bool) -> list[DTensor]:
-    """Every third parameter on the expert mesh with expert parallelism (without it one mesh holds all)."""
-    dense, experts = meshes
+def _params(dense, experts, with_experts: bool) -> list[DTensor]:
+    """Every third parameter on the expert mesh with expert parallelism (without it one mesh holds
+    all); odd row counts shard unevenly over the two ranks."""
     g = torch.Generator().manual_seed(0)
     params = []
     for i in range(9):
         expert = with_experts and i % 3 == 0
         mesh, placements = (experts, [Replicate(), Shard(0)]) if expert else (dense, [Replicate(), Shard(0), Replicate()])
-        p = distribute_tensor(torch.randn(8, 5 + i, generator=g), mesh, placements)
-        p.grad = distribute_tensor(torch.randn(8, 5 + i, generator=g) * (i + 1), mesh, placements)
+        shape = (7 + i % 2, 5 + i)
+        p = distribute_tensor(torch.randn(shape, generator=g), mesh, placements)
+        p.grad = distribute_tensor(torch.randn(shape, generator=g) * (i + 1), mesh, placements)
         params.append(p)
     return params
 
 
-@pytest.mark.parametrize("ep_enabled", [False, True])
-@pytest.mark.parametrize("max_norm", [0.5, 1e4, math.inf])
-def test_equals_torchtitans_clip_bit_for_bit(meshes, ep_enabled, max_norm):
-    ours, theirs = _params(meshes, ep_enabled), _params(meshes, ep_enabled)
-    before = [p.grad.to_local().clone() for p in ours]
-    norm = clip_grad_norm_(ours, max_norm, ep_enabled)
-    want = titan_clip_grad_norm_(theirs, max_norm, foreach=True, ep_enabled=ep_enabled)
-    assert not isinstance(norm, DTensor) and torch.equal(norm, want)
-    assert all(torch.equal(a.grad.to_local(), b.grad.to_local()) for a, b in zip(ours, theirs))
-    scaled = [not torch.equal(p.grad.to_local(), b) for p, b in zip(ours, before)]
-    # the norm of these gradients is ~160: a max_norm of 0.5 scales every one, 1e4 and inf none
-    assert all(scaled) if max_norm == 0.5 else not any(scaled)
+def _check_every_case() -> int:
+    from torchtitan.distributed.utils import clip_grad_norm_ as titan_clip_grad_norm_
+
+    dense = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    experts = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+    checked = 0
+    for ep_enabled in (False, True):
+        for max_norm in MAX_NORMS:
+            ours, theirs = _params(dense, experts, ep_enabled), _params(dense, experts, ep_enabled)
+            assert all(p.grad.to_local().numel() < p.grad.numel() for p in ours), "every gradient is sharded over the ranks"
+            full = torch.cat([p.grad.full_tensor().flatten() for p in ours])
+            before = [p.grad.to_local().clone() for p in ours]
+            norm = clip_grad_norm_(ours, max_norm, ep_enabled)
+            want = titan_clip_grad_norm_(theirs, max_norm, foreach=True, ep_enabled=ep_enabled)
+            assert not isinstance(norm, DTensor) and torch.equal(norm, want), (ep_enabled, max_norm, norm, want)
+            # Both against the norm of the whole gradient: only the summation order differs (fp32, ~160).
+            assert math.isclose(norm.item(), full.norm().item(), rel_tol=1e-6), (norm, full.norm())
+            assert all(torch.equal(a.grad.to_local(), b.grad.to_local()) for a, b in zip(ours, theirs))
+            scaled = [not torch.equal(p.grad.to_local(), b) for p, b in zip(ours, before)]
+            # the norm of these gradients is ~160: a max_norm of 0.5 scales every one, 1e4 and inf none
+            assert all(scaled) if max_norm == 0.5 else not any(scaled)
+            checked += 1
+    return checked
+
+
+def test_equals_torchtitans_clip_bit_for_bit_on_two_ranks():
+    from helpers import REPO, child_env
+    import subprocess
+
+    from graph_trainer.compare import torchrun
+
+    proc = subprocess.run([*torchrun(2), str(REPO / "tests" / "test_clipping.py")], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(proc.stdout.split()) == [f"rank{r}:{CASES}" for r in (0, 1)], proc.stdout
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    print(f"rank{dist.get_rank()}:{_check_every_case()}", flush=True)
+    dist.destroy_process_group()
