@@ -85,11 +85,13 @@ def test_schedule_without_reshard_has_fewer_gathers_than_parameters(fake_pg):
 
 SMALL = ("--training.steps", "5", "--training.batch_size", "2", "--training.seq_len", "64", "--metrics.log_freq", "1")
 DP2 = ("--parallelism.dp_shard", "2")
+EAGER = ("--compile.mode", "eager")
+"""The reference runs say so: the default mode is aot_fx_trace."""
 
 
 @pytest.mark.slow
 def test_trains_like_eager_with_full_inductor():
-    eager = read_metrics(cached_run((*SMALL, *DP2), 2))
+    eager = read_metrics(cached_run((*SMALL, *DP2, *EAGER), 2))
     folder = cached_run((*SMALL, *DP2, "--compile.mode", "aot_fx_trace", "--compile.inductor_compilation",
                          "autoparallel_backend", "--compile.dump_graphs"), 2)
     compiled = read_metrics(folder)
@@ -117,7 +119,7 @@ def test_meta_impl_trains_like_eager():
     pytest.importorskip("autoparallel", reason=reason)
     if ap.meta_autobucketing() is None:  # PyPI's unrelated `autoparallel` imports too
         pytest.skip(reason)
-    eager = read_metrics(cached_run((*SMALL, *DP2), 2))
+    eager = read_metrics(cached_run((*SMALL, *DP2, *EAGER), 2))
     folder = cached_run((*SMALL, *DP2, "--compile.mode", "aot_fx_trace", "--compile.inductor_compilation",
                          "autoparallel_backend", "--compile.autoparallel_impl", "meta"), 2)
     assert losses(read_metrics(folder)) == pytest.approx(losses(eager), rel=1e-4)
@@ -127,7 +129,7 @@ def test_meta_impl_trains_like_eager():
 @pytest.mark.parametrize("mode, placement", [("aot", "manual"), ("aot", "auto"), ("aot_fx_trace", "auto")])
 def test_trains_like_eager_in_aot_and_with_auto_placement(mode, placement):
     """aot runs the backend's schedule and Inductor on the partitioned forward and backward graphs."""
-    eager = read_metrics(cached_run((*SMALL, *DP2), 2))
+    eager = read_metrics(cached_run((*SMALL, *DP2, *EAGER), 2))
     auto = ("--compile.autoparallel",) if placement == "auto" else ()
     folder = cached_run((*SMALL, *DP2, *auto, "--compile.mode", mode, "--compile.inductor_compilation",
                          "autoparallel_backend", "--compile.dump_graphs"), 2)
@@ -143,7 +145,7 @@ def test_trains_like_eager_in_aot_and_with_auto_placement(mode, placement):
         # The run trained with the solver's placements, not SimpleFSDP's: placements.json names every
         # parameter, and the small final norm is replicated over dp_shard where SimpleFSDP shards it.
         placed = json.loads((folder / "placements.json").read_text())
-        manual = json.loads((cached_run((*SMALL, *DP2), 2) / "placements.json").read_text())
+        manual = json.loads((cached_run((*SMALL, *DP2, *EAGER), 2) / "placements.json").read_text())
         assert set(placed) == set(manual)
         dim = placed["norm.weight"]["mesh_dim_names"].index("dp_shard")
         assert manual["norm.weight"]["placements"][dim] == "Shard(dim=0)"

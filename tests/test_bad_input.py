@@ -79,25 +79,28 @@ def _pass_case(kind: str) -> Case:
     for spec in PASSES.values():
         if kind == "conflict" and spec.conflicts:
             other = spec.conflicts[0]
-            return Case(f"pass_conflict_{spec.name}", ["--compile.mode", "aot_fx_trace", "--compile.passes", f"{spec.name},{other}"], other)
+            return Case(f"pass_conflict_{spec.name}", ["--compile.mode", "aot_fx_trace", "--compile.passes", f"{spec.name},{other}"],
+                        f"pass '{spec.name}' conflicts with '{other}'; remove one of them from --compile.passes")
         if kind == "requires" and spec.requires:
-            return Case(f"pass_requires_{spec.name}", ["--compile.mode", "aot_fx_trace", "--compile.passes", spec.name], spec.requires[0])
+            return Case(f"pass_requires_{spec.name}", ["--compile.mode", "aot_fx_trace", "--compile.passes", spec.name],
+                        f"requires '{spec.requires[0]}'; add '{spec.requires[0]}' before '{spec.name}' in --compile.passes")
         if kind == "mode" and "eager" not in spec.modes:
-            return Case(f"pass_in_eager_{spec.name}", ["--compile.mode", "eager", "--compile.passes", spec.name], "--compile.mode")
+            return Case(f"pass_in_eager_{spec.name}", ["--compile.mode", "eager", "--compile.passes", spec.name],
+                        f"pass '{spec.name}' cannot run; use --compile.mode aot_fx_trace")
     raise AssertionError(f"the pass registry declares no pass with a {kind} constraint")
 
 
 CASES = [
     # command line
     Case("unknown_command", [], "use one of: train", command="trian"),
-    Case("unknown_flag", ["--training.stepz", "5"], "--training.steps"),
-    Case("unknown_section", ["--trainig.steps", "5"], "--training.steps"),
+    Case("unknown_flag", ["--training.stepz", "5"], "unknown flag --training.stepz (did you mean '--training.steps'?)"),
+    Case("unknown_section", ["--trainig.steps", "5"], "unknown flag --trainig.steps (did you mean '--training.steps'?)"),
     Case("positional_argument", ["steps=5"], "--training.steps 20"),
     Case("flag_without_value", ["--training.steps"], "needs a value"),
     Case("int_not_a_number", ["--training.steps", "ten"], "training.steps must be an integer"),
     Case("float_not_a_number", ["--optimizer.lr", "fast"], "optimizer.lr must be a number"),
     Case("bool_not_a_bool", ["--checkpoint.enable=maybe"], "checkpoint.enable must be true or false"),
-    Case("mode_unknown", ["--compile.mode", "graph"], "compile.mode must be one of"),
+    Case("mode_unknown", ["--compile.mode", "graph"], "compile.mode must be one of eager, jit, aot, aot_fx_trace, got 'graph'"),
     Case("backend_unknown", ["--compile.inductor_compilation", "max"], "compile.inductor_compilation must be one of"),
     Case("config_flag_without_file", ["--config"], "--config needs a file"),
     # TOML files
@@ -115,9 +118,9 @@ CASES = [
     Case("world_not_divisible_by_tp", ["--parallelism.tp", "3"], "not divisible by dp_replicate * tp", world_size=4),
     Case("dp_shard_zero", ["--parallelism.dp_shard", "0"], "dp_shard must be -1 (fill) or >= 1"),
     Case("tp_zero", ["--parallelism.tp", "0"], "parallelism.tp must be >= 1"),
-    Case("tp_not_dividing_heads", ["--parallelism.tp", "3"], "does not divide", world_size=3),
-    Case("ep_on_dense_model", ["--parallelism.ep", "2"], "needs an MoE model", world_size=2),
-    Case("ep_not_dividing_experts", ["--model.name", "deepseek_v3", "--parallelism.ep", "3"], "8 experts", world_size=3),
+    Case("tp_not_dividing_heads", ["--parallelism.tp", "3"], "parallelism.tp=3 does not divide llama3 debugmodel's n_heads=16; pick a tp that divides it", world_size=3),
+    Case("ep_on_dense_model", ["--parallelism.ep", "2"], "needs an MoE model; llama3 debugmodel has no experts (set --parallelism.ep 1)", world_size=2),
+    Case("ep_not_dividing_experts", ["--model.name", "deepseek_v3", "--parallelism.ep", "3"], "does not divide deepseek_v3 debugmodel's 8 experts; pick an ep that divides it", world_size=3),
     Case("ep_not_dividing_ranks", ["--model.name", "deepseek_v3", "--parallelism.ep", "4", "--parallelism.dp_shard", "2"], "must divide dp_shard * tp", world_size=2),
     Case("seq_not_sharding_over_tp", ["--parallelism.tp", "2", "--training.seq_len", "33"], "use a multiple of 2", world_size=2),
     Case("batch_not_sharding_over_dp", ["--training.batch_size", "6"], "use a multiple of 4", world_size=4),
@@ -173,7 +176,7 @@ CASES = [
     Case("dump_folder_is_a_file", ["--job.dump_folder", "{prev}/metrics.jsonl/run"], "is a file; pick another path"),
     Case("selective_ac_option", ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"], "'op' or an integer"),
     # passes
-    Case("pass_unknown", ["--compile.mode", "aot_fx_trace", "--compile.passes", "bucketting_magic"], "--compile.list_passes"),
+    Case("pass_unknown", ["--compile.mode", "aot_fx_trace", "--compile.passes", "bucketting_magic"], "unknown pass 'bucketting_magic' (did you mean 'auto_bucketing'?); see --compile.list_passes"),
     _pass_case("conflict"),
     _pass_case("requires"),
     _pass_case("mode"),
