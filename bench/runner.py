@@ -5,6 +5,7 @@ it against its reference run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
@@ -66,17 +68,47 @@ def command(run: Run, runs_dir: Path) -> list[str]:
     return launcher + module + ["--job.dump_folder", str(dump), *run.args, *_profiling_args(run), *_start_from_args(run, runs_dir)]
 
 
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and every live process below it, from /proc."""
+    children = defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children[ppid].append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def kill_tree(pid: int) -> None:
+    """Kill `pid` and everything below it. torchrun starts each rank in a session of its own, out of reach of its
+    process group, and a rank left running holds its GPU: the tree is frozen first (no process starts another while
+    it is being walked), then killed."""
+    stopped: set[int] = set()
+    while new := [p for p in _process_tree(pid) if p not in stopped]:
+        for p in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGSTOP)
+            stopped.add(p)
+    for p in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
 def launch(cmd: list[str], env: dict, timeout: int) -> tuple[int, str, float | None]:
     """Run to the end or the timeout (which kills every process of the run, torchrun's ranks too); returns the exit
     code (-9 on timeout), the output (stdout and stderr interleaved) and the seconds from launch to the line of step 1."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", env=env)
     expired = threading.Event()
 
     def kill() -> None:
         expired.set()
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
 
     timer = threading.Timer(timeout, kill)
     timer.start()

@@ -97,10 +97,11 @@ def test_curve_against_reference_bound():
 
 
 def test_timeout_ends_every_process_of_the_run(tmp_path):
-    """A hung run (here a launcher whose child outlives it, as torchrun's ranks would) is killed whole at the timeout,
-    keeping its output and the time its step-1 line came."""
+    """A hung run is killed whole at the timeout, keeping its output and the time its step-1 line came: here a
+    launcher whose child runs in a session of its own, as torchrun starts its ranks."""
     pid_file = tmp_path / "child.pid"
-    script = (f"import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+    script = (f"import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+              f"start_new_session=True); "
               f"open({str(pid_file)!r}, 'w').write(str(c.pid)); print('step:    1  loss: 7.0', flush=True); time.sleep(60)")
     started = time.perf_counter()
     rc, output, first_step = launch([sys.executable, "-c", script], dict(os.environ), timeout=3)

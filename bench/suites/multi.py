@@ -70,8 +70,9 @@ MULTI_CONFIGS = {
         MultiConfig("8B dp4", "llama3", "8B", 0, 1, 8192, dp_shard=4, ac="selective"),
         MultiConfig("8B dp2 tp2", "llama3", "8B", 0, 1, 8192, dp_shard=2, tp=2, ac="selective"),
         MultiConfig("1B dp4", "llama3", "1B", 0, 2, 4096, dp_shard=4),
-        # 12 of 27 layers (about 7B parameters: 28 GiB a rank of weights, gradients and AdamW state over 4 ranks)
-        # fit an H100 beside 2 x 4096 tokens of activations; the whole 16B needs about 63 GiB a rank before them
+        # 12 of 27 layers: 6.9B parameters, 25.8 GiB a rank of fp32 weights, gradients and AdamW moments over 4 ranks,
+        # leave an H100 room for the activations of 2 x 4096 tokens (the 6-layer cut on 4 GPUs peaked at 24.2 GiB with
+        # 12.8 GiB of them); the whole 16B holds 58.5 GiB a rank before any activation
         MultiConfig("DeepSeek 16B-12L dp4 ep4", "deepseek_v3", "16B", 12, 2, 4096, dp_shard=4, ep=4),
     ],
 }
@@ -121,7 +122,8 @@ the spread one trainer's two modes show."""
 def suite_numerics(steps: int, gpus: int) -> list[Run]:
     """On 2 GPUs: (a) graph-trainer and torchtitan from the same weights (our Hugging Face export of the 1B after one
     step, loaded by both) on the same tokens for 100 steps, curves within LOSS_BOUND; (b) deterministic aot_fx_trace
-    run by FX equal to eager bit for bit: llama3 1B dp_shard 2 and tp 2, DeepSeek V3 debug dp_shard 2 x ep 2."""
+    run by FX equal to eager bit for bit: llama3 1B dp_shard 2 and tp 2, DeepSeek V3 debug dp_shard 2 x ep 2. The step
+    counts are the checks' own (--steps does not apply)."""
     group = "1B same weights"
     one_b = ["--model.flavor", "1B", "--training.seq_len", "4096", "--training.batch_size", "4", "--training.random_tokens",
              "--training.no-deterministic", "--metrics.log_freq", "1", "--parallelism.dp_shard", "2"]
