@@ -2,6 +2,8 @@ import gzip
 import hashlib
 import json
 import logging
+import multiprocessing
+import os
 import re
 import shutil
 from collections import Counter
@@ -349,3 +351,35 @@ def test_a_corpus_of_100m_tokens_is_read_in_memory_independent_of_its_size(tmp_p
     assert all(torch.equal(a, b) for a, b in zip(resumed.next_batch(), loader.next_batch()))
     # A few MB of batches and bookkeeping, against the file's 200 MB (and 17 GB before).
     assert _rss_anon() - before < 16 * 2**20
+
+
+def _ensure_as(local_rank: int, path: str, writers) -> None:
+    """One rank of a node building the token file (a forked process)."""
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    token_file = TokenFile(read_documents(path), build_tokenizer(None))
+    write = token_file.write
+
+    def counted(chunks):
+        writers.put(local_rank)
+        write(chunks)
+
+    token_file.write = counted
+    token_file.ensure()
+
+
+def test_one_process_writes_the_token_file_while_the_others_wait(tmp_path, corpus, tokenizer):
+    data = tmp_path / "corpus.txt"
+    docs = list(corpus[:300])
+    data.write_text("\n\n".join(docs))
+    context = multiprocessing.get_context("fork")
+    writers = context.Queue()
+    # the second rank starts first: it must leave the file to the node's first rank, whose log is shown
+    ranks = [context.Process(target=_ensure_as, args=(r, str(data), writers)) for r in (1, 0)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=120)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    assert writers.get(timeout=5) == 0 and writers.empty()
+    loaded = TokenLoader(read_documents(str(data)), tokenizer, 16, 2, 0, 1)
+    assert torch.equal(loaded.tokens, tokenize_in_memory(docs, tokenizer))
