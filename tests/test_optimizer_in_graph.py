@@ -8,6 +8,7 @@ optimizer's: saved by one, resumed by the other, steps 6..10 equal an uninterrup
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 from pathlib import Path
@@ -73,6 +74,12 @@ def test_graph_updates_parameters_and_moments_in_place_and_returns_loss_and_norm
     assert written == set(range(N_PARAMS)) | set(range(first_state, first_state + 2 * N_PARAMS))
     outputs = re.findall(r"return \((.*)\)", code)[-1].split(",")
     assert len([o for o in outputs if o.strip()]) == 2
+    # Each parameter's update (its lerp first) is written back before the next one starts, the smallest
+    # parameters first: the optimizer's part of the step then holds less than the end of backward.
+    ops = re.findall(r'"\w+\[([\d, ]*)\][^"]*" = torch\.ops\.aten\.(lerp|copy_)\.', code)
+    assert [op for _, op in ops] == ["lerp", "copy_", "copy_", "copy_"] * N_PARAMS
+    sizes = [math.prod(int(d) for d in shape.split(",") if d.strip()) for shape, op in ops if op == "lerp"]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
 
 
 @pytest.mark.slow

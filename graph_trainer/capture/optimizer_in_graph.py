@@ -3,7 +3,8 @@ train-step graph, so one graph runs forward, loss, backward, clip and update and
 them together (Inductor can fuse each gradient's producer with its update: no gradient buffer left).
 
 Graph: (*params, *buffers, inputs, labels, *exp_avgs, *exp_avg_sqs, lr, step) -> (loss, grad_norm).
-Parameters and the two moment states are updated in place (`copy_` at the end of the graph). The
+Parameters and the two moment states are updated in place (`copy_`), each parameter's as soon as its
+update is computed (see `ClipAndAdamWStep`). The
 tensors are those of the real `torch.optim.AdamW` the trainer built: its state dict, and so every
 checkpoint, is the eager optimizer's, and a run may save with one and resume with the other. The
 learning rate (the LR scheduler's, from the parameter group) and the step count are graph inputs
@@ -24,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from ..clipping import clip_coefficient, total_norm
-from ..train_step import FunctionalTrainStep, ParamSpec
+from ..train_step import FunctionalTrainStep
 from .fx_trace import TracedStep
 from .registry import CaptureContext, register_capture
 
@@ -37,14 +38,6 @@ class AdamWHyper:
     weight_decay: float
     max_norm: float
     """Clip to this total norm; inf: report the norm, scale nothing (the coefficient clamps to 1)."""
-
-
-def clip_gradients(grads: Sequence[torch.Tensor], specs: Sequence[ParamSpec], max_norm: float, ep_enabled: bool
-                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(total norm, clipped local gradients), as the eager step computes them (clipping.py)."""
-    norm = total_norm([s.wrap(g) for s, g in zip(specs, grads)], ep_enabled)
-    coef = clip_coefficient(norm, max_norm)
-    return norm, [g * coef for g in grads]
 
 
 @dataclass(frozen=True)
@@ -85,7 +78,16 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
 
 class ClipAndAdamWStep:
-    """The traced function: forward + loss + backward, then clip and update in place."""
+    """The traced function: forward + loss + backward, then clip and update in place.
+
+    Clipping needs the norm over every gradient, so no update can start before backward ends; from
+    there each parameter is clipped, updated and written back before the next one starts, smallest
+    first: the optimizer's part then holds the gradients not yet applied and one update's temporaries,
+    the largest only once the other gradients are gone, so that the step's peak can stay in forward
+    and backward, where the memory policy can recompute (tests/test_memory_policy.py). (Written back only
+    after every update was computed, every new parameter and moment was live at once on top of the
+    gradients: a peak past backward that no recomputation could lower.) Backward has read every old
+    value by then, so the results are bit for bit those of writing back at the end."""
 
     def __init__(self, fn: FunctionalTrainStep, hyper: AdamWHyper, ep_enabled: bool):
         self.fn, self.hyper, self.ep_enabled = fn, hyper, ep_enabled
@@ -98,12 +100,13 @@ class ClipAndAdamWStep:
         loss, grads = self.fn(params, buffers, inputs, labels)
         with torch.no_grad():
             grads = [g.to(p.dtype) for g, p in zip(grads, params)]
-            grad_norm, grads = clip_gradients(grads, self.specs, self.hyper.max_norm, self.ep_enabled)
+            # As the eager step clips (clipping.py).
+            grad_norm = total_norm([s.wrap(g) for s, g in zip(self.specs, grads)], self.ep_enabled)
+            coef = clip_coefficient(grad_norm, self.hyper.max_norm)
             scalars = step_scalars(lr, step, {p.dtype for p in params}, self.hyper)
-            updates = [adamw_update(*args, scalars, self.hyper) for args in zip(params, grads, exp_avgs, exp_avg_sqs)]
-            # Written back only after every update is computed: the backward above read the old values.
-            for targets, update in zip(zip(params, exp_avgs, exp_avg_sqs), updates):
-                for target, value in zip(targets, update):
+            for i in sorted(range(n), key=lambda i: (params[i].numel() * params[i].element_size(), i)):
+                targets = (params[i], exp_avgs[i], exp_avg_sqs[i])
+                for target, value in zip(targets, adamw_update(params[i], grads[i] * coef, *targets[1:], scalars, self.hyper)):
                     target.copy_(value)
         return loss, [grad_norm]
 

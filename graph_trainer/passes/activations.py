@@ -52,7 +52,11 @@ class Activations:
         self.by_root: dict[fx.Node, list[fx.Node]] = {}
         for node in self.forward:
             self.by_root.setdefault(self.roots[node], []).append(node)
-        mutated = {self.roots[n.args[0]] for n in self.order if _mutates(n) and n.args and isinstance(n.args[0], fx.Node)}
+        # Recomputed copies and reloads run before the backward reads of forward values: a storage
+        # written only after the last of them (the in-graph optimizer's write-back) holds what it held.
+        last_read = max((self.pos[u] for n in self.forward for u in n.users if self.is_backward(u)), default=boundary)
+        mutated = {self.roots[n.args[0]] for n in self.order
+                   if _mutates(n) and n.args and isinstance(n.args[0], fx.Node) and self.pos[n] <= last_read}
         self.recomputable = {n for n in self.forward if self._recomputable(n, mutated)}
         self.offloadable = {n for n in self.forward if self._offloadable(n, mutated)}
         self.gathered, self.twin = _regathered(gm, self.pos, boundary)
