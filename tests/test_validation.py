@@ -115,7 +115,8 @@ def test_held_out_documents_are_never_trained_on(tmp_path):
     (["--validation.enable"], "--validation.enable needs data the model does not train on: --validation.dataset_path FILE, "
                               "or --validation.split 0.1 to hold out a share of the training documents"),
     (["--validation.enable", "--validation.dataset_path", "missing.txt"],
-     "validation.dataset_path missing.txt does not exist; pass an existing .txt/.jsonl/.parquet file or folder"),
+     "--validation.dataset_path: data path missing.txt does not exist; pass an existing .txt/.jsonl/.parquet/.txt.gz/.jsonl.gz "
+     "file or a folder of them"),
     (["--validation.split", "1"], "validation.split is the share of the training documents held out, in [0, 1); got 1.0"),
     (["--validation.enable", "--validation.split", "0.1", "--validation.steps", "0"], "validation.steps must be >= 1, got 0"),
     (["--validation.enable", "--validation.split", "0.1", "--training.random_tokens"],
