@@ -43,8 +43,8 @@ def _verdict(r: dict) -> str:
     if "within_loss_bound" in r:
         verdict = "within" if r["within_loss_bound"] else "OUTSIDE"
         mean, most = r["loss_bound"]
-        return (f"no; loss |diff| mean {r['mean_abs_loss_diff']:.1e} max {r['max_abs_loss_diff']:.1e}: {verdict} the bound "
-                f"(mean {mean:g}, max {most:g})")
+        return (f"no; absolute loss difference: step 1 {r['first_step_abs_loss_diff']:.1e}, mean {r['mean_abs_loss_diff']:.1e}, "
+                f"max {r['max_abs_loss_diff']:.1e}: {verdict} the bound (mean {mean:g}, max {most:g})")
     if "bound" in r:
         verdict = "within" if r["max_rel_diff"] <= r["bound"] else "OUTSIDE"
         return f"no; max rel diff {r['max_rel_diff']:.1e}, {verdict} the {r['bound']:g} bound"
