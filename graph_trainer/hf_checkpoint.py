@@ -292,6 +292,22 @@ def _v2_lacks(config: dict[str, Any], names: list[str]) -> list[str]:
     return lacks
 
 
+def _move_into(tmp: Path, out: Path) -> None:
+    """`tmp` becomes `out`. A folder that exists keeps its identity and only has its contents replaced:
+    it may be a shell's working folder (`export --out .`), which a removal would leave deleted under it."""
+    if not out.is_dir():
+        tmp.rename(out)
+        return
+    for old in out.iterdir():
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+    for new in tmp.iterdir():
+        new.rename(out / new.name)
+    tmp.rmdir()
+
+
 def save_hf(model: nn.Module, spec: ModelSpec, args: Any, flavor: str, out: Path) -> Path:
     """Write `out/` (via `out.tmp/`, renamed when complete): one consolidated `model.safetensors`
     with HF names and `config.json`. Collective when a process group exists."""
@@ -320,8 +336,7 @@ def save_hf(model: nn.Module, spec: ModelSpec, args: Any, flavor: str, out: Path
         if lacks:
             logger.warning(f"DeepseekV2ForCausalLM (the softmax router of {spec.name} {flavor}) lacks {' and '.join(lacks)}: "
                            f"where they decide which experts a token goes to, {out} picks others than we trained with")
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        _move_into(tmp, out)
         logger.info(f"saved Hugging Face checkpoint {out}")
     if distributed:
         dist.barrier()
@@ -332,8 +347,10 @@ _MODEL_DESCRIPTION = re.compile(r"^(\S+) (\S+) n_layers=(\d+)$")
 
 
 def _is_export(folder: Path) -> bool:
+    """An earlier export and nothing else: our config.json and only the files an export writes."""
+    written = all(p.is_file() and (p.name in (CONFIG_FILE, INDEX_FILE) or p.name.endswith(_SUFFIX)) for p in folder.iterdir())
     try:
-        return "graph_trainer" in json.loads((folder / CONFIG_FILE).read_text())
+        return written and "graph_trainer" in json.loads((folder / CONFIG_FILE).read_text())
     except (OSError, ValueError, TypeError):
         return False
 

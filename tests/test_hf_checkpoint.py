@@ -116,26 +116,32 @@ def test_round_trip_in_the_compiled_modes(saved, tmp_path, mode):
 
 
 @pytest.mark.slow
-def test_export_writes_the_same_tensors_as_last_save_in_hf(saved, tmp_path):
-    """Also: an earlier export is replaced without asking, any other non-empty folder only with --overwrite."""
+def test_export_writes_the_same_tensors_as_last_save_in_hf(saved, tmp_path, monkeypatch):
+    """Also: an earlier export (only the files an export writes) is replaced without asking, in place
+    (`--out .` leaves the working folder there); any other non-empty folder only with --overwrite."""
     from safetensors.torch import load_file
 
     source = saved("qwen3")
     step = str(source / "checkpoint" / "step-2")
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "notes.txt").write_text("mine")
-    assert cli.main(["export", "--checkpoint", step, "--out", str(tmp_path / "hf")]) == 2
-    assert (tmp_path / "hf" / "notes.txt").read_text() == "mine"
-    assert cli.main(["export", "--checkpoint", step, "--out", str(tmp_path / "hf"), "--overwrite"]) == 0
-    assert not (tmp_path / "hf" / "notes.txt").exists()
-    proc = launch(["export", "--checkpoint", step, "--out", str(tmp_path / "hf")])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    exported = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "notes.txt").write_text("mine")
+    assert cli.main(["export", "--checkpoint", step, "--out", str(hf)]) == 2
+    assert (hf / "notes.txt").read_text() == "mine"
+    assert cli.main(["export", "--checkpoint", step, "--out", str(hf), "--overwrite"]) == 0
+    assert not (hf / "notes.txt").exists()
+    (hf / "notes.txt").write_text("mine")
+    assert cli.main(["export", "--checkpoint", step, "--out", str(hf)]) == 2
+    (hf / "notes.txt").unlink()
+    monkeypatch.chdir(hf)
+    assert cli.main(["export", "--checkpoint", step, "--out", "."]) == 0
+    assert Path.cwd().samefile(hf)
+    exported = {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in load_file(f).items()}
     at_end = {k: v for f in sorted((source / "checkpoint" / "step-2-hf").glob("*.safetensors")) for k, v in load_file(f).items()}
     assert exported.keys() == at_end.keys()
     assert "model.layers.1.self_attn.q_norm.weight" in exported
     assert all(torch.equal(exported[k], at_end[k]) for k in exported)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "qwen3"
+    assert json.loads((hf / "config.json").read_text())["model_type"] == "qwen3"
 
 
 # --out relative to a dump folder X holding X/checkpoint/step-{1,2}; the export reads step-2.
