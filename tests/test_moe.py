@@ -147,11 +147,11 @@ def _train_in_process(monkeypatch, folder, mode: str, args: list[str] = (), step
     and, for a skewed eager run, every dispatch call's routing."""
     seen: dict[str, list] = {"counts": [], "dropped": [], "bias": [], "calls": []}
 
-    def spy(blocks, meshes):
-        seen["counts"].append(torch.stack([moe.tokens_per_expert.clone() for _, moe in blocks]))
-        seen["dropped"].append(torch.stack([moe.tokens_dropped.clone() for _, moe in blocks]))
-        total = _UPDATE_EXPERT_BIAS(blocks, meshes)
-        seen["bias"].append(torch.stack([moe.expert_bias.clone() for _, moe in blocks]))
+    def spy(moes, meshes):
+        seen["counts"].append(torch.stack([moe.tokens_per_expert.clone() for moe in moes]))
+        seen["dropped"].append(torch.stack([moe.tokens_dropped.clone() for moe in moes]))
+        total = _UPDATE_EXPERT_BIAS(moes, meshes)
+        seen["bias"].append(torch.stack([moe.expert_bias.clone() for moe in moes]))
         return total
 
     monkeypatch.setattr(expert_parallel, "_update_expert_bias", spy)

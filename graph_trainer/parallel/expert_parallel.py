@@ -191,15 +191,15 @@ def _is_recomputation() -> bool:
 
 
 @torch.no_grad()
-def _update_expert_bias(blocks: list[tuple[nn.Module, StaticDispatchMoE]], meshes: Meshes) -> Tensor:
+def _update_expert_bias(moes: list[StaticDispatchMoE], meshes: Meshes) -> Tensor:
     """Auxiliary-loss-free load balancing (torchtitan's rule) on the counts of the global batch, which
     leave out dropped pairs. Returns the pairs dropped over the global batch, on the device."""
-    stats = torch.stack([torch.cat([moe.tokens_per_expert, moe.tokens_dropped.view(1)]) for _, moe in blocks])
+    stats = torch.stack([torch.cat([moe.tokens_per_expert, moe.tokens_dropped.view(1)]) for moe in moes])
     dense = meshes.dense
-    for dim in blocks[0][1]._moe_plan.count_dims:
+    for dim in moes[0]._moe_plan.count_dims:
         if dense.size(dense.mesh_dim_names.index(dim)) > 1:
             dist.all_reduce(stats, group=dense.get_group(dim))
-    for (_, moe), row in zip(blocks, stats):
+    for moe, row in zip(moes, stats):
         if moe.load_balance_coeff is not None:
             counts = row[:-1]
             delta = moe.load_balance_coeff * torch.sign(counts.mean() - counts)
@@ -217,19 +217,19 @@ class LoadBalancing:
     `dropped` is the step's dropped (token, expert) pairs over all ranks, left on the device: the
     trainer reads it in the one host sync of the step, with the loss and the gradient norm."""
 
-    def __init__(self, optimizers: torch.optim.Optimizer, blocks: list[tuple[nn.Module, StaticDispatchMoE]], meshes: Meshes):
-        self.blocks, self.meshes = blocks, meshes
-        for _, moe in blocks:
+    def __init__(self, optimizers: torch.optim.Optimizer, moes: list[StaticDispatchMoE], meshes: Meshes):
+        self.moes, self.meshes = moes, meshes
+        for moe in moes:
             moe.tokens_per_expert.zero_()
             moe.tokens_dropped.zero_()
-        self.dropped = torch.zeros((), dtype=torch.float64, device=blocks[0][1].tokens_per_expert.device)
+        self.dropped = torch.zeros((), dtype=torch.float64, device=moes[0].tokens_per_expert.device)
         optimizers.register_step_pre_hook(self._before_step)
 
     def _before_step(self, *args, **kwargs) -> None:
-        self.dropped = _update_expert_bias(self.blocks, self.meshes)
+        self.dropped = _update_expert_bias(self.moes, self.meshes)
 
 
 def install_load_balancing(optimizers: torch.optim.Optimizer, model: nn.Module, meshes: Meshes) -> LoadBalancing | None:
     """Load balancing for a model's MoE blocks; None when it has none."""
-    blocks = [(block, moe) for block, moe in _moe_blocks(model) if isinstance(moe, StaticDispatchMoE)]
-    return LoadBalancing(optimizers, blocks, meshes) if blocks else None
+    moes = [moe for _, moe in _moe_blocks(model) if isinstance(moe, StaticDispatchMoE)]
+    return LoadBalancing(optimizers, moes, meshes) if moes else None
