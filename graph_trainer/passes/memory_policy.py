@@ -53,6 +53,11 @@ record's `ac_*` keys) and into the `memory_policy` stage of the graph dumps, whe
 `recompute_<forward name>` and carries `node.meta["memory_policy"] = "recomputed"`, and the transfers of
 an offloaded one are `offload_`, `wait_offload_`, `reload_`, `wait_reload_<forward name>`, with
 `node.meta["memory_policy"] = "offloaded"`.
+
+This module holds the pass and its two policies; what they work on and with lives beside it:
+activations.py (the activations and what can be recomputed or offloaded), recompute.py (the saved set
+of a choice, the simulated schedule and the rewrite), offload_choice.py (which activations to offload,
+and their transfers in the graph), memory_report.py (the log line and the report).
 """
 
 from __future__ import annotations
