@@ -145,6 +145,10 @@ class Compile:
     """Print the pass registry as a table and exit."""
     optimizer_in_graph: bool = False
     """aot_fx_trace: gradient clipping and the AdamW update traced into the train-step graph and compiled with it."""
+    cache_dir: str = "auto"
+    """Where full Inductor stores each compiled graph, keyed by the graph (after the passes), torch/Triton versions, device
+    kind, mesh and Inductor options, so the next start of the same job loads it instead of compiling (also on every rank);
+    auto = <job.dump_folder>/compile_cache; off (or empty) compiles every time. `graph-trainer precompile` fills it."""
 
 
 @dataclass

@@ -4,18 +4,23 @@ Checked on torch 2.11 (GPU machine) and 2.13 (CPU): `standalone_compile(gm, exam
 dynamic_shapes, options, aot)` has those keywords in both (2.13 adds more, unused here);
 `regional_inductor(gm, *example_args)` compiles each region with `standalone_compile(...,
 dynamic_shapes="from_tracing_context", aot=True)` in both; `_use_cuda_memory_pool_manager(device,
-pool, stream)` is the same context manager in both.
+pool, stream)` is the same context manager in both. For the compile cache: `CompiledArtifact.save(*, path,
+format)` / `CompiledArtifact.load(*, path, format)`, `torch._inductor.config.get_hash()` and
+`cpu_vec_isa.pick_vec_isa()` are the same in both.
 """
 
 from __future__ import annotations
+
+import importlib.metadata
 
 import torch
 
 try:
     from torch._guards import TracingContext, detect_fake_mode, tracing
-    from torch._inductor import standalone_compile
+    from torch._inductor import CompiledArtifact, standalone_compile
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.fx.passes.regional_inductor import regional_inductor
 except ImportError as e:  # pragma: no cover  (only on a torch outside the supported range)
     raise ImportError(
@@ -31,13 +36,31 @@ def use_cuda_memory_pool(device: int, pool: tuple[int, int], stream: torch.cuda.
     return _use_cuda_memory_pool_manager(device, pool, stream)
 
 
+def cpu_vector_isa() -> str:
+    """The vector instruction set Inductor writes C++ kernels for on this CPU (e.g. "avx512")."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return str(pick_vec_isa())
+
+
+def triton_version() -> str:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
 __all__ = [
+    "CompiledArtifact",
     "FakeTensorMode",
+    "ShapeEnv",
     "TracingContext",
     "detect_fake_mode",
     "regional_inductor",
+    "cpu_vector_isa",
     "select_decomp_table",
     "standalone_compile",
     "tracing",
+    "triton_version",
     "use_cuda_memory_pool",
 ]

@@ -7,6 +7,7 @@ there); compiling from those needs no real memory and matches the traced shapes 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from torch import fx
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .. import compile_cache
 from ..graph_dump import is_collective
 from ..regions import REGION_KEY
 from .compat import (
@@ -26,6 +28,8 @@ from .compat import (
     tracing,
 )
 from .registry import GRAPH_MODES, Compiled, PassContext, PassSpec, register_pass
+
+logger = logging.getLogger("graph_trainer")
 
 
 def fake_inputs(gm: fx.GraphModule, ctx: PassContext) -> list[Any]:
@@ -148,17 +152,37 @@ needs its order kept as well."""
 
 
 def _compile_whole(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
+    """Compile `gm` with Inductor, or load its compile from the job's compile cache (compile_cache.py)."""
     inputs = fake_inputs(gm, ctx)
     kept = _drop_unused_opaque_inputs(gm)
     if kept is not None:
         inputs = [inputs[i] for i in kept]
     # standalone_compile hands `options` to compile_fx as keywords (torch 2.11 and 2.13).
     options = {"config_patches": KEEP_TRAIN_STEP_ORDER} if ctx.stage == "train_step" else None
-    # Under no_grad AOTAutograd inside Inductor compiles an inference graph: the backward is already in it.
-    # The fake mode comes from the inputs: "from_graph" reads it off the outputs, which fails on an
-    # AOTAutograd backward graph whose outputs include None (inputs without a gradient).
-    with torch.no_grad(), tracing(TracingContext(detect_fake_mode(inputs))):
-        compiled = standalone_compile(gm, inputs, dynamic_shapes="from_tracing_context", options=options)
+    folder = compile_cache.cache_folder(ctx.cfg)
+    cache = compile_cache.CompileCache(folder) if folder is not None else None
+    compiled, outcome = None, "off"
+    if cache is not None:
+        key, parts = compile_cache.cache_key(gm, inputs, options, ctx.device, ctx.meshes)
+        try:
+            compiled = cache.load(key)
+            outcome = "hit" if compiled is not None else "miss"
+        except compile_cache.Refused as e:
+            logger.warning(f"compile cache: entry {cache.path(key)} refused ({e}); compiling afresh")
+            outcome = f"refused ({e})"
+    written = 0
+    if compiled is None:
+        inputs = compile_cache.cacheable_inputs(inputs)
+        # Under no_grad AOTAutograd inside Inductor compiles an inference graph: the backward is already in it.
+        # The fake mode comes from the inputs: "from_graph" reads it off the outputs, which fails on an
+        # AOTAutograd backward graph whose outputs include None (inputs without a gradient).
+        with torch.no_grad(), tracing(TracingContext(detect_fake_mode(inputs))):
+            compiled = standalone_compile(gm, inputs, dynamic_shapes="from_tracing_context", options=options)
+        if cache is not None:
+            written = int(cache.store(key, compiled, parts))
+    if cache is not None:
+        logger.info(f"compile cache: {outcome}, {'stored in' if written else 'entry'} {cache.path(key)}")
+    compile_cache.record(ctx.report, outcome, int(outcome == "hit"), written)
     if kept is None:
         return Compiled(compiled, gm)
     return Compiled(lambda *args: compiled(*[args[i] for i in kept]), gm)
