@@ -54,7 +54,10 @@ def _verdict(r: dict) -> str:
 def _status(r: dict) -> str:
     cause = [line for line in r.get("error", "").splitlines() if "ChildFailedError" not in line and "lspci" not in line]
     status = "ok" if r.get("tokens_per_second") else "failed: " + (cause or [""])[-1][:100].replace("|", "/")
-    if status == "ok" and any(math.isnan(x) for x in r.get("losses", [])):
+    if status == "ok" and r.get("returncode"):
+        # steps measured, then no clean exit (a hang at teardown ends in the timeout's kill, -9)
+        status = f"ok, then exit code {r['returncode']}"
+    if status.startswith("ok") and any(math.isnan(x) for x in r.get("losses", [])):
         # NaN operands run GEMMs at higher clocks (bench/fake_data_check.py): not comparable with a finite run
         status = "ok, losses NaN: speed inflated"
     return status
