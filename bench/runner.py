@@ -237,7 +237,9 @@ def run_suite(runs: list[Run], runs_dir: Path, timeout: int, earlier: list[dict]
         dump = dump_folder(runs_dir, run.group, run.name)
         print(f"== {run.group}: {run.name}", flush=True)
         start = time.perf_counter()
-        rc, output, first_step = launch(command(run, runs_dir), {**os.environ, **run.env}, timeout)
+        # every run compiles cold: Inductor's and Triton's caches of an earlier run would shorten its time to step 1
+        cold = {"TORCHINDUCTOR_CACHE_DIR": str(dump / "inductor_cache"), "TRITON_CACHE_DIR": str(dump / "triton_cache")}
+        rc, output, first_step = launch(command(run, runs_dir), {**os.environ, **cold, **run.env}, timeout)
         dump.mkdir(parents=True, exist_ok=True)
         (dump / "log.txt").write_text(output)
         result = summarize(run, records(run, dump, output), time.perf_counter() - start, rc, error_lines(output))
