@@ -1,5 +1,5 @@
 """Running a suite's runs one after another: the command of each (launcher, profiling flags, the weights it starts
-from), launching it with a timeout that ends the whole process group, reading back what it left (metrics, torchtitan's
+from), launching it with a timeout that ends its whole process tree, reading back what it left (metrics, torchtitan's
 log lines and active memory, profiles, the solver's and the cost model's predictions, NCCL's protocols), and checking
 it against its reference run."""
 
