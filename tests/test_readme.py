@@ -4,7 +4,7 @@ Each command (continuation lines joined, `a && b` split) is classified:
 - `graph-trainer ...` / `python -m graph_trainer ...`: run as written; it must exit 0 (and a `train` must
   log its last step);
 - in a block whose first line is a `# GPU` comment, such a command is not run (this machine has no GPU): its
-  `train` arguments go through the up-front validation for a CUDA device instead;
+  `train` or `precompile` arguments go through the up-front validation for a CUDA device instead;
 - `torchrun ...` (also under `srun`): its graph-trainer arguments go through the up-front validation for
   the world size it names (`--nnodes` x `--nproc-per-node`, with `$SLURM_NNODES` from `#SBATCH --nodes`);
 - the kinds in SKIPPED are not run, for the reason given there;
@@ -26,6 +26,7 @@ import pytest
 
 from graph_trainer.config import parse_args
 from graph_trainer.metrics import read_metrics
+from graph_trainer.precompile import fake_job, job_world_size
 from graph_trainer.validate import validate
 from helpers import REPO, TIMEOUT_S, child_env
 
@@ -198,8 +199,12 @@ def _validate(cmd: Command) -> None:
 
 
 def _validate_on_gpu(cmd: Command) -> None:
-    assert cmd.argv[:1] == ("train",), f"only `train` has a GPU rule: {cmd.text}"
-    cfg = parse_args(list(cmd.argv[1:]))
+    command, *flags = cmd.argv
+    assert command in ("train", "precompile"), f"only `train` and `precompile` have a GPU rule: {cmd.text}"
+    cfg = parse_args(flags)
+    if command == "precompile":
+        # as the command validates: one simulated rank of the job
+        cfg = fake_job(cfg, job_world_size(cfg), 0)
     degrees = validate(cfg, device_type="cuda")
     world_size = cfg.comm.fake_world_size if cfg.comm.mode == "fake" else 1
     assert math.prod(degrees[:3]) == world_size, cmd.text
