@@ -149,6 +149,9 @@ class Compile:
     """Where full Inductor stores each compiled graph, keyed by the graph (after the passes), torch/Triton versions, device
     kind, mesh and Inductor options, so the next start of the same job loads it instead of compiling (also on every rank);
     auto = <job.dump_folder>/compile_cache; off (or empty) compiles every time. `graph-trainer precompile` fills it."""
+    block_reuse: bool = True
+    """Full Inductor on the aot_fx_trace step: compile each distinct transformer block once and reuse it, when the model
+    has more blocks than distinct pieces (false: compile the whole step as one graph)."""
 
 
 @dataclass

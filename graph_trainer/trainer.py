@@ -50,6 +50,7 @@ from .parallel.materialize import materialize
 from .parallel.mesh import Meshes, build_meshes, device_type, resolve_degrees
 from .parallel.simple_fsdp import MixedPrecision
 from .placement import place_model, write_placements
+from .blocks import annotate_blocks
 from .regions import annotate_regions
 from .validation import Validator, build_forward, hold_out, validation_loader
 from .passes.registry import run_teardowns
@@ -206,6 +207,7 @@ class GraphTrainer:
         if t.deterministic and self.device.type == "cuda":
             models.drop_cudnn_attention(self.model)
         annotate_regions(self.model)
+        annotate_blocks(self.model)
         materialize(self.model, reference, self.device, t.seed)
         # the stored parameter: reading the module attribute would gather it (SimpleFSDP)
         self.embedding_weight = dict(self.model.named_parameters()).get("tok_embeddings.weight") if self.fake else None

@@ -51,6 +51,7 @@ def fake_pg():
 def trace_llama(*flags: str) -> tuple[fx.GraphModule, PassContext]:
     """llama3 debugmodel's train step with dp_shard=2 traced on meta tensors (needs `fake_pg`)."""
     from graph_trainer import models
+    from graph_trainer.blocks import annotate_blocks
     from graph_trainer.capture.fx_trace import trace_train_step
     from graph_trainer.parallel.mesh import build_meshes, resolve_degrees
     from graph_trainer.parallel.simple_fsdp import MixedPrecision
@@ -62,9 +63,10 @@ def trace_llama(*flags: str) -> tuple[fx.GraphModule, PassContext]:
     cfg = parse_args(["--compile.mode", "aot_fx_trace", "--parallelism.dp_shard", "2", *flags])
     meshes = build_meshes(resolve_degrees(1, 2, 1, 1, 2), "cpu")
     spec = models.get_spec("llama3")
-    args = spec.args_for("debugmodel", 256, 0)
+    args = spec.args_for("debugmodel", 256, cfg.model.n_layers)
     model = place_model(models.build_on_meta(spec, args, "cpu"), spec, args, meshes,
                         MixedPrecision(torch.float32, torch.float32), cfg)
+    annotate_blocks(model)
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, cfg.compile.mode)
     step = FunctionalTrainStep(model, cross_entropy)

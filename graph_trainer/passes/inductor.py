@@ -17,7 +17,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import compile_cache
 from ..graph_dump import is_collective
+from ..blocks import block_count
 from ..regions import REGION_KEY
+from .block_compile import plan_pieces
 from .compat import (
     FakeTensorMode,
     TracingContext,
@@ -130,10 +132,26 @@ def full_inductor_compilation(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
     token ids runs before it as FX (`split_mask_prologue`)."""
     split = split_mask_prologue(gm)
     if split is None:
-        return _compile_whole(gm, ctx)
+        return _compile_train_step(gm, ctx)
     prologue, main = split
-    compiled = _compile_whole(main, ctx)
+    compiled = _compile_train_step(main, ctx)
     return Compiled(lambda *args: compiled(*args, *prologue(*args)), main)
+
+
+def _compile_train_step(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
+    """A train-step graph with more transformer blocks than distinct pieces (passes/block_compile.py)
+    compiles each distinct piece once, unless `--compile.block_reuse false`; any other graph whole.
+    Reports `compiled_blocks` (graphs Inductor compiled), `block_pieces` (graphs a step runs) and `layers`."""
+    if ctx.stage != "train_step":
+        return _compile_whole(gm, ctx)
+    layers = block_count(gm)
+    report = ctx.report.setdefault("full_inductor_compilation", {})
+    report.update(compiled_blocks=1, block_pieces=1, layers=layers)
+    plan = plan_pieces(gm) if ctx.cfg is None or ctx.cfg.compile.block_reuse else None
+    if plan is None or layers <= len(plan.groups):
+        return _compile_whole(gm, ctx)
+    report.update(compiled_blocks=len(plan.groups), block_pieces=len(plan.pieces))
+    return Compiled(plan.compile(ctx, _compile_whole), gm)
 
 
 KEEP_TRAIN_STEP_ORDER = {"reorder_for_locality": False, "reorder_for_peak_memory": False}

@@ -1,0 +1,115 @@
+"""The transformer blocks of a traced train step: one notion of "block" for every pass that works per
+block (the block-reuse compile, and the collective schedule and pipeline stages as they come to use it).
+
+Each block's forward is marked while the step is traced, as regions.py marks its regions: every op
+traced inside `model.layers[i]` carries `node.meta["custom"]["block"] = i` (the `i` of the parameter
+FQNs `layers.<i>.…`), and `regions.copy_marks_to_backward` gives the backward ops the marks of the
+forward ops they differentiate (the recomputation of an activation-checkpointed block runs inside
+the block's forward again, so it is marked too).
+
+In graph order a train step runs a prologue (embedding), each block's forward, the loss, each
+block's backward and an epilogue. `block_starts` finds where each block phase begins: its first
+compute op. Collectives, their waits and the casts and copies that only feed a collective do not
+count, since the scheduling passes move them ahead of the block that needs them (a prefetch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import fx, nn
+
+from .graph_dump import is_collective
+from .regions import annotate_module
+
+BLOCK_KEY = "block"
+
+Phase = Literal["forward", "backward"]
+
+
+def annotate_blocks(model: nn.Module) -> nn.Module:
+    """Mark every transformer block's forward with its index (on the instance, like the regions)."""
+    for name, block in model.layers.items():
+        annotate_module(block, {BLOCK_KEY: int(name)})
+    return model
+
+
+def node_block(node: fx.Node) -> int | None:
+    """The transformer block whose forward (or backward) traced `node`; None outside the blocks."""
+    return (node.meta.get("custom") or {}).get(BLOCK_KEY)
+
+
+def block_count(gm: fx.GraphModule) -> int:
+    """How many transformer blocks traced ops of `gm`."""
+    return len({node_block(n) for n in gm.graph.nodes} - {None})
+
+
+def communication_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Collectives, their waits, and the nodes computed from graph inputs alone whose every use is one
+    of these (a parameter shard's cast, a bucket's concatenation): what a scheduling pass moves ahead
+    of the block that needs it, so it tells nothing of where a block is. (A gradient also feeds only
+    a collective, but it is computed from activations.)"""
+    from_inputs: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or node.op == "call_function" and not is_collective(node) and all(
+                a in from_inputs for a in node.all_input_nodes):
+            from_inputs.add(node)
+    comm: set[fx.Node] = set()
+    for node in reversed(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if is_collective(node) or node in from_inputs and node.users and all(u in comm for u in node.users):
+            comm.add(node)
+    return comm
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+_ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+
+
+def loss_node(gm: fx.GraphModule) -> fx.Node:
+    """The loss of a train-step graph `(…) -> (loss, …)`: its first output, before the detach that the
+    step returns it through (traced after the backward)."""
+    node = gm.graph.output_node().args[0][0]
+    while node.op == "call_function" and node.target in _ALIASES:
+        node = node.args[0]
+    return node
+
+
+@dataclass(frozen=True)
+class BlockStart:
+    phase: Phase
+    block: int
+    node: fx.Node
+    """The phase's first compute op."""
+
+
+def block_starts(gm: fx.GraphModule) -> list[BlockStart]:
+    """Where each block's forward and each block's backward begins, in graph order: the first marked
+    op of the block, other than communication, before the loss (forward) and after it (backward).
+    Empty when the graph has no marked blocks."""
+    loss = loss_node(gm)
+    forward = _ancestors(loss)
+    comm = communication_nodes(gm)
+    starts: dict[tuple[Phase, int], fx.Node] = {}
+    phase: Phase = "forward"
+    for node in gm.graph.nodes:
+        block = node_block(node)
+        if block is not None and node.op == "call_function" and node not in comm:
+            if phase == "forward" and node in forward or phase == "backward":
+                starts.setdefault((phase, block), node)
+        if node is loss:
+            phase = "backward"
+    return [BlockStart(phase, block, node) for (phase, block), node in starts.items()]

@@ -1,0 +1,265 @@
+"""Block reuse for the whole-graph Inductor compile: each distinct piece of the train step is compiled
+once and called for every block it stands for.
+
+The train-step graph, after every graph pass (so the collectives' schedule is final), is cut by
+position where each block's forward and each block's backward begins (`blocks.block_starts`): the
+prologue, each block's forward (the last one's runs on through the loss), each block's backward (the
+first block's runs on through the epilogue). Nothing moves: the pieces run in graph order, so every
+collective is issued and waited where the scheduling passes put it. A collective issued in one piece
+and waited in a later one (the next block's prefetched all-gather) leaves its piece un-waited, and
+the later piece's `wait_tensor` finds the work by that tensor, as it would inside one graph.
+
+Pieces of the same structure (ops, arguments, the shapes, strides and dtypes of every value, inputs
+and outputs in the same order) are compiled once, by the same Inductor path as the whole graph. The
+pieces of llama3's middle blocks are the same; the first and last blocks' differ (the prologue and
+loss around them, prefetches that start or stop), so the number of compiles stays constant as the
+model gets deeper.
+
+Memory: a value is held between pieces only until the piece that reads it last starts; that piece
+gets it in a list it clears (the boxed convention of Inductor's compiled code), so the compiled code
+frees it at its last use, where the whole-graph compile frees it. The one exception: the input of a
+collective waited in a later piece is held until that piece returns (the whole graph frees it at the
+wait), since the collective reads it until then.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from ..blocks import BlockStart, block_starts
+from ..graph_dump import is_collective
+from .bucketing_compat import WAIT
+from .registry import Compiled, PassContext
+
+
+class _Ref:
+    """A value of a piece by its position, in the structure key."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"%{self.index}"
+
+
+def _describe(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), val.stride(), val.dtype, val.device.type)
+    if isinstance(val, (list, tuple)):
+        return tuple(_describe(v) for v in val)
+    return repr(val)
+
+
+def structure(module: fx.GraphModule) -> str:
+    """What must match for two pieces to share one compiled callable: every node's op, target and
+    arguments (values by position), and the shape, stride and dtype of every value it makes."""
+    index: dict[fx.Node, int] = {}
+    lines = []
+    for node in module.graph.nodes:
+        index[node] = len(index)
+        target = node.target
+        if node.op == "placeholder":
+            target = ""
+        elif node.op == "get_attr":
+            attr = getattr(module, node.target)
+            target = attr.code if isinstance(attr, fx.GraphModule) else f"{type(attr).__name__}@{id(attr)}"
+        args = fx.node.map_arg((node.args, node.kwargs), lambda a: _Ref(index[a]))
+        lines.append(repr((node.op, str(target), args, _describe(node.meta.get("val")))))
+    return "\n".join(lines)
+
+
+@dataclass
+class Piece:
+    module: fx.GraphModule
+    inputs: list[int]
+    """Slots of the values it reads, in the order of its placeholders."""
+    outputs: list[int]
+    """Slots its outputs go to."""
+    frees: list[int]
+    """Slots no later piece reads: dropped by the driver before this piece runs."""
+    releases: list[int]
+    """Inputs of collectives this piece waits for, issued by an earlier piece: dropped after it runs."""
+
+
+def _is_constant(gm: fx.GraphModule, node: fx.Node) -> bool:
+    return node.op == "get_attr" and isinstance(getattr(gm, node.target), torch.Tensor)
+
+
+def _is_subgraph(gm: fx.GraphModule, node: fx.Node) -> bool:
+    return node.op == "get_attr" and not _is_constant(gm, node)
+
+
+def _waits(collective: fx.Node) -> list[fx.Node]:
+    """The waits of a collective's result (through `getitem` for one of several results)."""
+    results = [collective] + [u for u in collective.users if u.target is operator.getitem]
+    return [u for r in results for u in r.users if u.target is WAIT]
+
+
+def _held_to_wait(nodes: list[list[fx.Node]], piece_of: dict[fx.Node, int]) -> dict[fx.Node, int]:
+    """Inputs of a collective waited for in a later piece than it is issued in, with the last such
+    piece. The collective reads them while it runs; inside one graph Inductor keeps them alive up to
+    the wait (its volatile reads), but a piece that issues it without the wait would free or reuse
+    their memory at once, and the collective would send whatever comes to be written there."""
+    held: dict[fx.Node, int] = {}
+    for k, piece in enumerate(nodes):
+        for node in piece:
+            if is_collective(node) and node.target is not WAIT:
+                last = max((piece_of[w] for w in _waits(node)), default=k)
+                for a in node.all_input_nodes if last > k else ():
+                    held[a] = max(held.get(a, k), last)
+    return held
+
+
+def cut(gm: fx.GraphModule, starts: list[BlockStart]) -> list[list[fx.Node]]:
+    """The graph's ops in pieces, cut before each block phase's first op. A `getitem` stays with the op
+    whose multiple outputs it takes (a piece's outputs are tensors); attributes are in no piece (a
+    constant is an input of each piece that reads it, a subgraph is copied into it)."""
+    boundaries = {s.node for s in starts}
+    pieces: list[list[fx.Node]] = [[]]
+    home: dict[fx.Node, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if node in boundaries and pieces[-1]:
+            pieces.append([])
+        piece = pieces[-1]
+        if node.target is operator.getitem and node.args[0] in home:
+            piece = home[node.args[0]]
+        piece.append(node)
+        home[node] = piece
+    return pieces
+
+
+def split(gm: fx.GraphModule, starts: list[BlockStart]) -> tuple[list[Piece], list[Any], Any, int] | None:
+    """The pieces with their slots, the constants (tensors the graph reads as attributes, passed as
+    inputs after the graph's own), the output structure (slots in place of nodes) and the slot count.
+    None when a value that is not a tensor, or has no traced value, would cross pieces."""
+    nodes = cut(gm, starts)
+    slot: dict[fx.Node, int] = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    constants = [n for n in gm.graph.nodes if _is_constant(gm, n)]
+    for n in constants:
+        slot[n] = len(slot)
+    piece_of = {n: k for k, piece in enumerate(nodes) for n in piece}
+    output = gm.graph.output_node()
+    last_read: dict[fx.Node, int] = {}
+    for k, piece in enumerate(nodes):
+        for n in piece:
+            for a in n.all_input_nodes:
+                last_read[a] = k
+    for a in output.all_input_nodes:
+        last_read[a] = len(nodes)
+    held = _held_to_wait(nodes, piece_of)
+    needed_later = {n for n, k in (*last_read.items(), *held.items()) if n in piece_of and k > piece_of[n]}
+    read_across = needed_later | {n for n in last_read if n.op == "placeholder" or _is_constant(gm, n)}
+    if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in read_across):
+        return None
+    pieces = []
+    for k, piece in enumerate(nodes):
+        inside = set(piece)
+        reads = list(dict.fromkeys(a for n in piece for a in n.all_input_nodes if a not in inside))
+        inputs = [a for a in reads if not _is_subgraph(gm, a)]
+        outputs = [n for n in piece if n in needed_later]
+        for n in outputs:
+            slot[n] = len(slot)
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {a: graph.get_attr(a.target) for a in reads if _is_subgraph(gm, a)}
+        for a in inputs:
+            env[a] = graph.placeholder(a.name)
+            env[a].meta["val"] = a.meta["val"]
+        for n in piece:
+            env[n] = graph.node_copy(n, env.__getitem__)
+        graph.output(tuple(env[n] for n in outputs))
+        frees = [slot[a] for a in inputs if last_read[a] == k and held.get(a, -1) < k]
+        releases = [slot[a] for a, until in held.items() if until == k and until >= last_read[a]]
+        pieces.append(Piece(fx.GraphModule(gm, graph), [slot[a] for a in inputs], [slot[n] for n in outputs], frees, releases))
+    result = fx.node.map_arg(output.args[0], lambda n: _Slot(slot[n]))
+    return pieces, [getattr(gm, n.target) for n in constants], result, len(slot)
+
+
+class _Slot:
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _boxed(compiled: Compiled) -> Callable[[list[Any]], Any]:
+    """Call `compiled` with a list it takes over, so that the inputs it reads last are freed inside it.
+
+    standalone_compile's artifact takes positional arguments, which the frames of its wrappers keep
+    alive to the end of the call. Under them, AOTAutograd's `forward` passes its module's parameters
+    and buffers (a piece has none: its constants are inputs) and the arguments in a new list to
+    `compiled_fn`, which clears it, as the Inductor code under it clears its own: that function is
+    called here. Where the wrappers are not the ones of torch 2.11-2.13, the positional call.
+    """
+    forward = getattr(getattr(compiled.fn, "_compiled_fn", None), "__wrapped__", None)
+    code = getattr(forward, "__code__", None)
+    if code is not None and code.co_name == "forward" and not compiled.boxed:
+        cells = {name: cell.cell_contents for name, cell in zip(code.co_freevars, forward.__closure__ or ())}
+        if "compiled_fn" in cells and cells.get("params_buffers_flat") == []:
+            return cells["compiled_fn"]
+
+    def positional(args: list[Any]) -> Any:
+        values = list(args)
+        args.clear()
+        return compiled.fn(values) if compiled.boxed else compiled.fn(*values)
+
+    return positional
+
+
+class PieceRunner:
+    """Runs the pieces in graph order, each with its group's compiled callable."""
+
+    def __init__(self, steps: list[tuple[Piece, Callable[[list[Any]], Any]]], constants: list[Any], result: Any, slots: int):
+        self.steps = steps
+        self.constants = constants
+        self.result = result
+        self.slots = slots
+
+    def __call__(self, *args: Any) -> Any:
+        env: list[Any] = [*args, *self.constants]
+        env += [None] * (self.slots - len(env))
+        for piece, call in self.steps:
+            ins = [env[i] for i in piece.inputs]
+            for i in piece.frees:
+                env[i] = None
+            for i, value in zip(piece.outputs, call(ins)):
+                env[i] = value
+            for i in piece.releases:
+                env[i] = None
+        return fx.node.map_aggregate(self.result, lambda s: env[s.index] if isinstance(s, _Slot) else s)
+
+
+@dataclass
+class PiecePlan:
+    pieces: list[Piece]
+    groups: list[list[Piece]]
+    """Pieces by structure, in the order of their first piece."""
+    constants: list[Any]
+    result: Any
+    slots: int
+
+    def compile(self, ctx: PassContext, compile_fn: Callable[[fx.GraphModule, PassContext], Compiled]) -> PieceRunner:
+        """Compile each group's first piece with `compile_fn`; the runner calls it for every member."""
+        calls: dict[int, Callable[[list[Any]], Any]] = {}
+        for members in self.groups:
+            call = _boxed(compile_fn(members[0].module, ctx))
+            for piece in members:
+                calls[id(piece)] = call
+        return PieceRunner([(p, calls[id(p)]) for p in self.pieces], self.constants, self.result, self.slots)
+
+
+def plan_pieces(gm: fx.GraphModule) -> PiecePlan | None:
+    """The pieces of `gm` grouped by structure; None when it has no marked blocks or cannot be cut."""
+    starts = block_starts(gm)
+    found = split(gm, starts) if starts else None
+    if found is None:
+        return None
+    pieces, constants, result, slots = found
+    groups: dict[str, list[Piece]] = {}
+    for piece in pieces:
+        groups.setdefault(structure(piece.module), []).append(piece)
+    return PiecePlan(pieces, list(groups.values()), constants, result, slots)

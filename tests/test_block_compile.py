@@ -1,0 +1,110 @@
+"""Block reuse in the full Inductor compile (graph_trainer/blocks.py, passes/block_compile.py): the
+blocks' marks reach the backward, the step is cut where each block phase starts, pieces of the same
+structure are compiled once however deep the model, and the pieces compute bit for bit what the
+whole-graph compile computes, also where collectives cross pieces on two gloo ranks and where a
+compiled piece is called again while the outputs of its earlier calls are still read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import fx, nn
+
+from helpers import cached_run, grad_norms, launch, losses, read_metrics
+from test_bucketing import fake_pg, trace_llama  # noqa: F401  (fake_pg is a fixture)
+from test_inductor_passes import SMALL, Block, toy_train_step
+
+from graph_trainer.blocks import BLOCK_KEY, annotate_blocks, block_starts, node_block
+from graph_trainer.passes import inductor
+from graph_trainer.passes.block_compile import plan_pieces
+from graph_trainer.passes.bucketing_compat import ALL_GATHER, WAIT
+from graph_trainer.passes.registry import Compiled, apply_passes
+
+
+class Deep(nn.Module):
+    def __init__(self, n_layers: int):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): Block() for i in range(n_layers)})
+
+    def forward(self, x):
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+def deep_step(n_layers: int):
+    torch.manual_seed(0)
+    return toy_train_step(annotate_blocks(Deep(n_layers)))
+
+
+def counting_fx_compile(monkeypatch) -> list[fx.GraphModule]:
+    """`_compile_whole` replaced by running the graph as FX (no Inductor), recording each graph it gets."""
+    compiled: list[fx.GraphModule] = []
+
+    def compile_whole(gm, ctx):
+        compiled.append(gm)
+        return Compiled(gm, gm)
+
+    monkeypatch.setattr(inductor, "_compile_whole", compile_whole)
+    return compiled
+
+
+def test_blocks_are_marked_in_forward_and_backward_and_start_in_graph_order():
+    gm, _, _ = deep_step(3)
+    starts = [(s.phase, s.block) for s in block_starts(gm)]
+    assert starts == [("forward", 0), ("forward", 1), ("forward", 2), ("backward", 2), ("backward", 1), ("backward", 0)]
+    # every matmul ran inside a block: 3 per block forward, 2 per forward matmul in backward but the
+    # first block's input gradient (the batch needs none)
+    mms = [n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default]
+    assert len(mms) == 9 + 17 and all(node_block(n) is not None for n in mms)
+    assert [sum(node_block(n) == b for n in mms) for b in range(3)] == [8, 9, 9]
+
+
+def test_a_deeper_model_compiles_the_same_pieces(monkeypatch):
+    compiled = counting_fx_compile(monkeypatch)
+    counts = {}
+    for n_layers in (4, 8):
+        gm, ctx, real = deep_step(n_layers)
+        with torch.no_grad():
+            expected = gm(*real)
+        plan = plan_pieces(gm)
+        runner = plan.compile(ctx, inductor._compile_whole)
+        counts[n_layers] = (len(compiled), len(plan.pieces))
+        compiled.clear()
+        assert all(torch.equal(a, b) for a, b in zip(expected, runner(*real)))
+    # first, middle and last block in forward and backward (the first block's input needs no
+    # gradient, so its backward differs), with the loss in the last forward block
+    assert counts == {4: (5, 8), 8: (5, 16)}
+
+
+def test_block_reuse_is_used_when_there_are_more_blocks_than_pieces(monkeypatch):
+    compiled = counting_fx_compile(monkeypatch)
+    for n_layers, reused in ((4, False), (8, True)):
+        gm, ctx, _ = deep_step(n_layers)
+        inductor.full_inductor_compilation(gm, ctx)
+        figures = {"compiled_blocks": 5, "block_pieces": 16} if reused else {"compiled_blocks": 1, "block_pieces": 1}
+        assert ctx.report["full_inductor_compilation"] == {**figures, "layers": n_layers}
+        assert len(compiled) == figures["compiled_blocks"]
+        compiled.clear()
+
+
+def test_llama3_with_per_block_buckets_compiles_the_same_pieces_at_6_and_8_layers(fake_pg, monkeypatch):
+    """dp_shard 2 with one all-gather and one reduce-scatter bucket per block: a prefetched all-gather
+    leaves the piece that issues it un-waited and is waited in the next. The cost model prefetches 3
+    blocks ahead on CPU, so the last 3 blocks of each phase differ: from 6 layers on the count stays."""
+    compiled = counting_fx_compile(monkeypatch)
+    counts = {}
+    for n_layers in (6, 8):
+        gm, ctx = trace_llama("--model.n_layers", str(n_layers))
+        gm = apply_passes(gm, ["transformer_block_bucketing"], ctx, "train_step")
+        plan = plan_pieces(gm)
+        plan.compile(ctx, inductor._compile_whole)
+        counts[n_layers] = (len(compiled), len(plan.pieces))
+        crossing = [p for p in plan.pieces
+                    if any(a.op == "placeholder" and any(u.target is WAIT for u in a.users) for a in p.module.graph.nodes)
+                    and any(n.target is ALL_GATHER for n in p.module.graph.output_node().all_input_nodes)]
+        assert crossing, "no piece both waits for a collective issued before it and issues one waited after it"
+        compiled.clear()
+    assert counts == {6: (8, 13), 8: (8, 17)}
