@@ -163,7 +163,7 @@ class ActivationCheckpoint:
     """selective: an integer N checkpoints every N-th block; 'op' saves matmul/attention outputs, recomputes the rest."""
     memory_budget: str = ""
     """memory_budget mode: per-GPU memory for parameters, gradients, optimizer state and saved activations, in GiB
-    (20GiB) or as a fraction of device memory (0.5); empty: 0.5."""
+    (20GiB) or as a fraction of device memory (0.5); empty: the device's memory less a margin (units.fill_device)."""
     offload: Literal["auto", "never", "always"] = "auto"
     """memory_budget mode in aot_fx_trace: move activations to pinned host memory after forward and back before
     backward. auto: those whose copies compute hides, when the budget needs it (never on CPU, nor under a whole-graph

@@ -35,6 +35,7 @@ from .checkpoint import Checkpointer, CheckpointError, any_rank, state_shapes
 from .clipping import clip_grad_norm_
 from .config import ConfigError, JobConfig, to_toml
 from .data.random_tokens import random_batch
+from .defaults import for_record, resolve
 from .errors import print_error
 from .losses import build_loss
 from .data import TokenLoader, build_tokenizer, document_separator, read_documents
@@ -45,6 +46,7 @@ from .profiling import StepProfiler
 from .prediction import write_prediction
 from .parallel import apply_activation_checkpointing
 from .parallel.compat import init_fake_process_group
+from .parallel.links import probe as probe_links
 from .parallel.fake_data import fill_collective_outputs, restore_collectives, tokens_in_vocab_shard
 from .parallel.materialize import materialize
 from .parallel.mesh import Meshes, build_meshes, device_type, resolve_degrees
@@ -170,9 +172,10 @@ def build_optimizer(model: torch.nn.Module, cfg: JobConfig, device: torch.device
 
 class GraphTrainer:
     def __init__(self, cfg: JobConfig):
+        self.env = DistEnv.simulated(cfg)
+        cfg = resolve(cfg, device_type(), self.env.world_size)
         self.cfg = cfg
         self.fake = cfg.comm.mode == "fake"
-        self.env = DistEnv.simulated(cfg)
         self.device = torch.device(f"cuda:{self.env.local_rank}") if device_type() == "cuda" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -184,6 +187,7 @@ class GraphTrainer:
         p = cfg.parallelism
         self.degrees = resolve_degrees(p.dp_replicate, p.dp_shard, p.tp, p.ep, self.env.world_size)
         self.meshes: Meshes = build_meshes(self.degrees, self.device.type)
+        probe_links(self.meshes, self.device)
         self.local_batch = t.batch_size // (self.degrees.dp * t.gradient_accumulation_steps)
 
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path or None)
@@ -241,7 +245,7 @@ class GraphTrainer:
             self.validator = Validator(cfg, loader, forward, self.model, self.device, self.to_device, self._mean_over_dp)
         if self.is_rank0:
             Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
-            (Path(cfg.job.dump_folder) / "config.toml").write_text(to_toml(cfg))
+            (Path(cfg.job.dump_folder) / "config.toml").write_text(to_toml(for_record(cfg)))
             write_placements(self.model, cfg.job.dump_folder)
             logger.info(
                 f"{cfg.model.name} {cfg.model.flavor}: {self.nparams:,} parameters, mesh {self.degrees}, "
@@ -343,7 +347,8 @@ class GraphTrainer:
                     extra["profiled"] = True
                 if first:
                     extra["time_to_first_step_s"] = time.perf_counter() - start
-                    extra.update({k: v for k, v in self.capture.stats.items() if k.endswith("_s") or k.startswith("ac_")})
+                    # every figure the capture and its passes reported (times, AC, schedule, compile cache)
+                    extra.update({k: v for k, v in self.capture.stats.items() if isinstance(v, (int, float, str)) and k != "retraces"})
                     if self.is_rank0:
                         write_prediction(self.cfg.job.dump_folder, self.degrees.world_size)
                     first = False

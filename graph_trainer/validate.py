@@ -264,8 +264,8 @@ def validate(cfg: JobConfig, world_size: int | None = None, device_type: str | N
     if world_size is None:
         world_size = cfg.comm.fake_world_size if cfg.comm.mode == "fake" else world_size_from_env()
     device_type = device_type or detect_device()
-    cfg = resolve(cfg, device_type, world_size)
     degrees = check_mesh(cfg, world_size)
+    cfg = resolve(cfg, device_type, world_size)
     for check in _CHECKS_AFTER_MESH:
         check(cfg, degrees)
     check_compile(cfg, device_type)
