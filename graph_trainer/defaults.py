@@ -1,8 +1,8 @@
 """The settings left to `auto`, resolved for the device and rank count a job runs on: one place, so
 the validator checks, the trainer runs and `config.toml` records the same configuration.
 
-- `--compile.inductor_compilation auto`: `full` on GPUs (the measured-best backend: whole-step
-  Inductor), `none` on CPU, where the traced step runs as FX, bitwise equal to eager, without
+- `--compile.inductor_compilation auto`: `full` on GPUs in the graph modes (the measured-best
+  backend: whole-step Inductor), `none` in eager and on CPU, where the traced step runs as FX, bitwise equal to eager, without
   Inductor's C++ compile at every start.
 - `--compile.passes` left empty in a multi-rank aot_fx_trace job whose parameters are sharded: the
   overlap schedule, `separate_gather_group` (all-gathers on their own communicator) then
@@ -24,7 +24,8 @@ NO_PASSES = "none"
 def _backend(cfg: JobConfig, device_type: str) -> str:
     if cfg.compile.inductor_compilation != "auto":
         return cfg.compile.inductor_compilation
-    return "full" if device_type == "cuda" else "none"
+    # eager captures no graph for a backend to compile
+    return "full" if device_type == "cuda" and cfg.compile.mode != "eager" else "none"
 
 
 def _sharded(cfg: JobConfig, world_size: int) -> bool:

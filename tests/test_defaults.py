@@ -34,7 +34,8 @@ def test_auto_backend_and_schedule_resolve_per_device_and_ranks():
     off = resolve(parse_args(["--compile.passes", "none"]), "cuda", 8)
     assert off.compile.passes == [] and for_record(off).compile.passes == ["none"]
     assert resolve(for_record(off), "cuda", 8).compile.passes == []
-    assert resolve(parse_args(["--compile.mode", "eager"]), "cuda", 8).compile.passes == []
+    eager = resolve(parse_args(["--compile.mode", "eager"]), "cuda", 8)
+    assert eager.compile.passes == [] and eager.compile.inductor_compilation == "none"
 
 
 def test_memory_budget_without_a_number_fills_the_device_less_a_margin():
