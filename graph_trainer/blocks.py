@@ -22,7 +22,7 @@ import torch
 from torch import fx, nn
 
 from .graph_dump import is_collective
-from .regions import annotate_module
+from .regions import ancestors, annotate_module
 
 BLOCK_KEY = "block"
 
@@ -65,17 +65,6 @@ def communication_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return comm
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return seen
-
-
 _ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 
 
@@ -101,7 +90,7 @@ def block_starts(gm: fx.GraphModule) -> list[BlockStart]:
     op of the block, other than communication, before the loss (forward) and after it (backward).
     Empty when the graph has no marked blocks."""
     loss = loss_node(gm)
-    forward = _ancestors(loss)
+    forward = ancestors(loss)
     comm = communication_nodes(gm)
     starts: dict[tuple[Phase, int], fx.Node] = {}
     phase: Phase = "forward"

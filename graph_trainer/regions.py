@@ -97,7 +97,7 @@ class BackwardSeqNr(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
+def ancestors(node: fx.Node) -> set[fx.Node]:
     seen: set[fx.Node] = set()
     todo = [node]
     while todo:
@@ -118,7 +118,7 @@ def copy_marks_to_backward(gm: fx.GraphModule) -> None:
     autograd node reuse the previous one's) the first is the one differentiated.
     """
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    forward = _ancestors(output.args[0][0])
+    forward = ancestors(output.args[0][0])
     first: dict[int, fx.Node] = {}
     for node in gm.graph.nodes:
         if node in forward and "seq_nr" in node.meta:
