@@ -126,7 +126,7 @@ def _mesh(meshes: Any) -> Any:
     if meshes is None:
         return None
     found = [m for m in (meshes.dense, meshes.sparse) if m is not None]
-    return [(tuple(m.mesh.shape), tuple(m.mesh_dim_names or ())) for m in found]
+    return [(tuple(m.shape), tuple(m.mesh_dim_names or ())) for m in found]
 
 
 def cache_key(gm: fx.GraphModule, inputs: list[Any], options: dict | None, device: torch.device,

@@ -234,7 +234,8 @@ class Profiling:
 @dataclass
 class Comm:
     timeout_seconds: int = 300
-    """Collective timeout: a dead rank makes the others fail after this many seconds."""
+    """A train step not finished after this many seconds (a peer rank died or stopped answering) ends
+    the rank with exit code 4; outside the steps (start-up, checkpoints) collectives time out 30 s later."""
     mode: Literal["real", "fake"] = "real"
     """real: one process per rank (torchrun). fake: ONE process runs rank fake_rank of a fake_world_size-rank job on
     torch's fake process group: real per-rank shapes and compute, collectives move no data (losses are not meaningful)."""

@@ -14,6 +14,7 @@ died, or did not answer within `--comm.timeout_seconds`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -22,7 +23,6 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
@@ -37,6 +37,7 @@ from .config import ConfigError, JobConfig, to_toml
 from .data.random_tokens import random_batch
 from .defaults import for_record, resolve
 from .errors import print_error
+from .step_watchdog import StepWatchdog, group_timeout
 from .losses import build_loss
 from .data import TokenLoader, build_tokenizer, document_separator, read_documents
 from .hf_checkpoint import load_initial, save_hf
@@ -133,7 +134,7 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: int, fake: b
         fill_collective_outputs()
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=timeout_s)
+    timeout = group_timeout(timeout_s)
     if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
@@ -330,6 +331,8 @@ class GraphTrainer:
         records = []
         start = time.perf_counter()
         first = True
+        watchdog = StepWatchdog(self.cfg.comm.timeout_seconds, lambda step: comm_failure(
+            self.cfg, f"at step {step}", f"not finished after {self.cfg.comm.timeout_seconds} s"), _EXIT_COMM)
         with StopSignals() as signals:
             while self.step < t.steps:
                 self.step += 1
@@ -338,7 +341,9 @@ class GraphTrainer:
                 profiler.before_step(self.step)
                 # The scheduler steps at the end of train_step: read afterwards, this would be the next step's LR.
                 lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
-                loss, grad_norm, step_counts = self.train_step()
+                # The first step compiles: no deadline then (a collective there still times out).
+                with watchdog.step(self.step) if not first else contextlib.nullcontext():
+                    loss, grad_norm, step_counts = self.train_step()
                 profiler.after_step(self.step)
                 if not self.fake and not (math.isfinite(loss) and math.isfinite(grad_norm)):
                     raise NonFiniteError(f"step {self.step}: loss {loss} / grad norm {grad_norm} is not finite; lower --optimizer.lr or check the data")
@@ -381,6 +386,11 @@ def _is_comm_failure(e: BaseException) -> bool:
     return isinstance(e, dist.DistError) or "gloo/" in str(e)
 
 
+def comm_failure(cfg: JobConfig, where: str, why: str) -> str:
+    return (f"a collective failed {where} ({why}); a peer rank died or did not answer within "
+            f"--comm.timeout_seconds={cfg.comm.timeout_seconds}: see its log")
+
+
 def _fail(message: str, code: int) -> NoReturn:
     print_error(message)
     raise SystemExit(code)
@@ -421,9 +431,7 @@ def run(cfg: JobConfig) -> list[dict]:
         if not _is_comm_failure(e):
             raise
         where = f"at step {trainer.step}" if trainer is not None else "during start-up"
-        first_line = str(e).strip().splitlines()[0]
-        _fail(f"a collective failed {where} ({first_line}); a peer rank died or did not answer within "
-              f"--comm.timeout_seconds={cfg.comm.timeout_seconds}: see its log", _EXIT_COMM)
+        _fail(comm_failure(cfg, where, str(e).strip().splitlines()[0]), _EXIT_COMM)
     finally:
         run_teardowns()
         restore_collectives()

@@ -106,7 +106,8 @@ def test_killed_rank_under_torchrun_makes_the_others_exit_within_the_timeout(tmp
 
 @pytest.mark.slow
 def test_silent_rank_makes_the_others_exit_after_the_timeout(tmp_path, data):
-    """A stopped (not dead) peer: only the collective timeout can tell; gloo honours it."""
+    """A stopped (not dead) peer: only the step's deadline can tell (the step watchdog, before gloo's own
+    timeout, which comes 30 s later: the same way out as on NCCL)."""
     timeout_s = 20
     args = train_args(tmp_path / "run", data, "--training.steps", "20", "--parallelism.dp_shard", "2",
                       "--comm.timeout_seconds", str(timeout_s))
@@ -118,7 +119,7 @@ def test_silent_rank_makes_the_others_exit_after_the_timeout(tmp_path, data):
     assert code == 4 and "Traceback" not in ranks[0].stderr
     assert timeout_s <= after_step_1 < timeout_s + 30, after_step_1
     (line,) = error_lines(ranks[0].stderr)
-    assert "a collective failed at step 2" in line and "Timed out" in line
+    assert "a collective failed at step 2 (not finished after" in line
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ Meta's optional `autoparallel` package is imported here too (`--compile.autopara
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx
@@ -31,23 +31,29 @@ ALL_REDUCE = _c10d.all_reduce.default
 WAIT = _c10d.wait_tensor.default
 
 
-def is_fsdp_all_gather(node: fx.Node) -> bool:
-    """An all-gather of one parameter: its input derives from exactly one graph input."""
-    if node.target is not ALL_GATHER:
-        return False
+def ancestors(node: fx.Node) -> Iterator[fx.Node]:
+    """Every node `node` derives from, each once, depth first (callers stop early)."""
     seen: set[fx.Node] = set()
-    todo, inputs = list(node.all_input_nodes), 0
+    todo = list(node.all_input_nodes)
     while todo:
         n = todo.pop()
         if n in seen:
             continue
         seen.add(n)
+        yield n
+        todo.extend(n.all_input_nodes)
+
+
+def is_fsdp_all_gather(node: fx.Node) -> bool:
+    """An all-gather of one parameter: its input derives from exactly one graph input."""
+    if node.target is not ALL_GATHER:
+        return False
+    inputs = 0
+    for n in ancestors(node):
         if n.op == "placeholder":
             inputs += 1
             if inputs > 1:
                 return False
-        else:
-            todo.extend(n.all_input_nodes)
     return inputs == 1
 
 

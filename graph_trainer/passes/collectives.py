@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .bucketing_compat import ALL_GATHER, REDUCE_SCATTER, WAIT, is_fsdp_all_gather, is_fsdp_reduce_scatter
+from .bucketing_compat import ALL_GATHER, REDUCE_SCATTER, WAIT, ancestors, is_fsdp_all_gather, is_fsdp_reduce_scatter
 
 aten = torch.ops.aten
 
@@ -46,19 +46,17 @@ class Collective:
 
 
 def _ancestors_to_placeholder(node: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
-    seen: dict[fx.Node, None] = {}
-    stack = list(node.all_input_nodes)
-    placeholder = None
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen[n] = None
-        if n.op == "placeholder":
-            placeholder = n
-        else:
-            stack.extend(n.all_input_nodes)
-    return placeholder, [n for n in seen if n.op != "placeholder"]
+    found = list(ancestors(node))
+    placeholder = next((n for n in found if n.op == "placeholder"), None)
+    return placeholder, [n for n in found if n.op != "placeholder"]
+
+
+def _holds_collective(chain: list[fx.Node]) -> bool:
+    """Whether another collective lies on the chain (with tensor parallelism a parameter may be
+    gathered, or its gradient reduced, over two mesh dims in a row). Only the collective nearest
+    the parameter (all-gather) or the output (reduce-scatter) is scheduled: moving one would move
+    the other, which its own bucket moves too."""
+    return any(getattr(n.target, "namespace", None) == "_c10d_functional" for n in chain)
 
 
 def _descendants_to_output(node: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
@@ -122,6 +120,8 @@ def find_collectives(gm: fx.GraphModule) -> list[Collective]:
         if node.target is ALL_GATHER and is_fsdp_all_gather(node):
             _, group_size, group_name = node.args
             placeholder, chain = _ancestors_to_placeholder(node)
+            if _holds_collective(chain):
+                continue
             need = min((pos[u] for u in wait.users), default=len(order) - 1)
             key = ("all_gather", group_name, group_size, val.dtype, None, need <= boundary)
             found.append(Collective(node, wait, "all_gather", key, val.numel() * val.element_size(),
@@ -130,6 +130,8 @@ def find_collectives(gm: fx.GraphModule) -> list[Collective]:
             source, reduce_op, group_size, group_name = node.args
             src_val = source.meta["val"]
             chain, returned = _descendants_to_output(wait)
+            if _holds_collective(chain):
+                continue
             key = ("reduce_scatter", group_name, group_size, val.dtype, reduce_op, False)
             found.append(Collective(node, wait, "reduce_scatter", key, src_val.numel() * src_val.element_size(),
                                     pos[source] + 1, len(order) - 1, chain, (pos[node], pos[wait]),

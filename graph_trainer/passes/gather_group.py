@@ -12,39 +12,31 @@ changes: same ranks, same data, bitwise the same step.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch.distributed as dist
 from torch import fx
 
 from ..parallel.links import gather_twins
-from .bucketing_compat import ALL_GATHER
+from ..step_watchdog import group_timeout
+from .bucketing_compat import ALL_GATHER, ancestors
 from .registry import PassContext, PassSpec, register_pass
 
 
 def gathers_parameters(node: fx.Node, params: set[fx.Node]) -> bool:
     """Whether the all-gather's input derives from parameter inputs alone: one parameter's shard, or
     a bucket of them (after a bucketing pass merged them); never an activation (tensor parallelism)."""
-    seen: set[fx.Node] = set()
-    todo = list(node.all_input_nodes)
     found = False
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    for n in ancestors(node):
         if n.op == "placeholder":
             if n not in params:
                 return False
             found = True
-        todo.extend(n.all_input_nodes)
     return found
 
 
 def separate_gather_group(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.meshes is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return gm
-    twins = gather_twins(ctx.meshes, timedelta(seconds=ctx.cfg.comm.timeout_seconds))
+    twins = gather_twins(ctx.meshes, group_timeout(ctx.cfg.comm.timeout_seconds))
     params = set(gm.graph.find_nodes(op="placeholder")[: ctx.num_params])
     moved = 0
     for node in gm.graph.find_nodes(op="call_function", target=ALL_GATHER):
