@@ -1,0 +1,72 @@
+"""The trainer's pipeline-parallel step (`--parallelism.pp`): the rank's stages (parallel/pipeline.py),
+run eagerly or as traced graphs (capture/pipeline_stage.py), under torch's schedule; and the total
+gradient norm over every stage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .capture.registry import CaptureContext
+from .config import JobConfig
+from .parallel.mesh import Meshes
+from .parallel.pipeline import PipelineLayout, PipelineStep, build_layout, build_schedule, default_microbatches, pipeline_total_norm, stage_grads, stage_views, stages_per_rank
+from .clipping import EP_DIM
+
+TRACED_MODES = ("aot_fx_trace", "aot")
+
+
+def microbatches_of(cfg: JobConfig) -> int:
+    """Schedule microbatches per gradient-accumulation step (1 without pipelining)."""
+    p = cfg.parallelism
+    if p.pp == 1:
+        return 1
+    return p.pp_microbatches or default_microbatches(p.pp, stages_per_rank(p.pp_schedule, p.pp_stages_per_rank))
+
+
+def layout_of(cfg: JobConfig, n_layers: int) -> PipelineLayout | None:
+    p = cfg.parallelism
+    if p.pp == 1:
+        return None
+    return build_layout(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank, p.pp_layers_per_stage, n_layers)
+
+
+class Pipeline:
+    """The rank's stages and schedule: `step` is the Step the trainer calls per gradient-accumulation
+    microbatch (its batch is split again into the schedule's microbatches), `total_norm` the gradient
+    norm over every stage of the job."""
+
+    def __init__(self, ctx: CaptureContext, layout: PipelineLayout, model_args: Any, microbatch: int, dtype: torch.dtype):
+        self.layout = layout
+        self.meshes: Meshes = ctx.meshes
+        assert self.meshes.pp is not None
+        self.pp_rank = self.meshes.pp.get_local_rank()
+        self.views = stage_views(ctx.model, layout, self.pp_rank)
+        modules: list[nn.Module] = self.views
+        if ctx.cfg.compile.mode in TRACED_MODES:
+            from .capture.pipeline_stage import TracedStage
+
+            modules = [TracedStage(v, s, ctx) for v, s in zip(self.views, layout.stages_of(self.pp_rank))]
+        scale = ctx.loss_scale / layout.microbatches
+        loss_fn = ctx.loss_fn
+
+        def scaled_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return loss_fn(output, labels) * scale
+
+        schedule = build_schedule(modules, layout, self.meshes.pp, ctx.device, scaled_loss, microbatch, ctx.cfg.training.seq_len,
+                                  model_args.dim, model_args.vocab_size, dtype)
+        self.step = PipelineStep(schedule, layout, self.meshes.pp, ctx.device)
+        self.ep_enabled = self.meshes.degrees.ep > 1
+
+    def total_norm(self) -> torch.Tensor:
+        if not self.ep_enabled:
+            return pipeline_total_norm(stage_grads(self.views, self.layout, self.pp_rank), self.meshes.pp)
+
+        def is_ep(g: torch.Tensor) -> bool:
+            return EP_DIM in (getattr(g, "device_mesh", None) and g.device_mesh.mesh_dim_names or ())
+
+        ep = pipeline_total_norm(stage_grads(self.views, self.layout, self.pp_rank, is_ep), self.meshes.pp)
+        dense = pipeline_total_norm(stage_grads(self.views, self.layout, self.pp_rank, lambda g: not is_ep(g)), self.meshes.pp)
+        return (ep**2.0 + dense**2.0) ** 0.5
