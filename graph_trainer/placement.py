@@ -17,6 +17,7 @@ from .models import ModelSpec
 from .parallel import parallelize
 from .parallel.mesh import Meshes
 from .parallel.simple_fsdp import MixedPrecision
+from .passes.ep_overlap import moe_chunks
 
 
 def place_model(model: nn.Module, spec: ModelSpec, args: Any, meshes: Meshes, mp: MixedPrecision, cfg: JobConfig) -> nn.Module:
@@ -24,7 +25,7 @@ def place_model(model: nn.Module, spec: ModelSpec, args: Any, meshes: Meshes, mp
         from .autoparallel.entry import place
 
         return place(model, spec, args, meshes, mp, cfg)
-    return parallelize(model, spec, meshes, mp, cfg.parallelism.moe_capacity_factor)
+    return parallelize(model, spec, meshes, mp, cfg.parallelism.moe_capacity_factor, moe_chunks(cfg))
 
 
 def describe_placements(model: nn.Module) -> dict[str, dict[str, Any]]:

@@ -12,14 +12,15 @@ from .simple_fsdp import MixedPrecision, apply_simple_fsdp
 from .tensor_parallel import apply_tensor_parallel
 
 
-def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, mp: MixedPrecision, moe_capacity_factor: float = 0.0) -> nn.Module:
+def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, mp: MixedPrecision, moe_capacity_factor: float = 0.0,
+                moe_chunks: int = 1) -> nn.Module:
     """Place a meta-device model on the mesh by hand (the SimpleFSDP plan)."""
     if meshes.degrees.tp > 1:
         apply_tensor_parallel(model, spec.name, meshes.tp)
     if spec.is_moe:
         from .expert_parallel import prepare_moe
 
-        prepare_moe(model, meshes, moe_capacity_factor)
+        prepare_moe(model, meshes, moe_capacity_factor, moe_chunks)
     return apply_simple_fsdp(model, meshes, mp)
 
 

@@ -19,6 +19,7 @@ relative to the global-mean loss: the expert weights scale their gradient by `tp
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +28,16 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.fx.traceback import annotate
 from torchtitan.models.moe import MoE
 
 from .compat import in_backward
 from .mesh import DP_DIMS, Meshes
 from .moe_dispatch import DispatchPlan, dispatch_and_combine, route
+
+
+CHUNK_KEY = "moe_chunk"
+"""`node.meta["custom"]` key: the token chunk of a split MoE layer (MoEPlan.chunks > 1) an op ran for."""
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -56,6 +62,9 @@ class MoEPlan:
     expert_grad_scale: float
     count_dims: tuple[str, ...]
     """Dense-mesh dims over which routed-token counts are summed to cover the global batch once."""
+    chunks: int = 1
+    """Token chunks routed and dispatched one after another (the `ep_overlap` pass interleaves one
+    chunk's all-to-alls with another's compute); each chunk has its share of the capacity."""
 
 
 def _compute_tensor(t: Tensor | None, partial_over_tp: bool) -> Tensor | None:
@@ -89,18 +98,22 @@ class StaticDispatchMoE(MoE):
         tokens = tokens_in.reshape(-1, dim)
 
         gate = self.router.gate
-        scores, experts = route(
-            self.router, tokens, _compute_tensor(gate.weight, True), _compute_tensor(gate.bias, True), self.expert_bias
-        )
+        gate_weight, gate_bias = _compute_tensor(gate.weight, True), _compute_tensor(gate.bias, True)
         weights = [_compute_tensor(w, False) for w in (self.experts.w1, self.experts.w2, self.experts.w3)]
         if plan.expert_grad_scale != 1.0:
             weights = [_ScaleGrad.apply(w, plan.expert_grad_scale) for w in weights]
-        result = dispatch_and_combine(plan.dispatch, tokens, scores, experts, *weights)
-        if not _is_recomputation():
-            with torch.no_grad():
-                self.tokens_per_expert.add_(result.tokens_per_expert)
-                self.tokens_dropped.add_(result.dropped)
-        routed = result.output.view(bs, slen, dim)
+        # Tokens are batch-major: halves split the batch, or each sequence when the batch is one.
+        outputs = []
+        for chunk, part in enumerate(tokens.chunk(plan.chunks)):
+            with annotate({CHUNK_KEY: chunk}) if plan.chunks > 1 else contextlib.nullcontext():
+                scores, experts = route(self.router, part, gate_weight, gate_bias, self.expert_bias)
+                result = dispatch_and_combine(plan.dispatch, part, scores, experts, *weights)
+            if not _is_recomputation():
+                with torch.no_grad():
+                    self.tokens_per_expert.add_(result.tokens_per_expert)
+                    self.tokens_dropped.add_(result.dropped)
+            outputs.append(result.output)
+        routed = (torch.cat(outputs) if len(outputs) > 1 else outputs[0]).view(bs, slen, dim)
 
         if tp is None:
             return routed if self.shared_experts is None else self.shared_experts(x) + routed
@@ -153,9 +166,9 @@ def apply_moe_model_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             )
 
 
-def prepare_moe(model: nn.Module, meshes: Meshes, capacity_factor: float = 0.0) -> None:
+def prepare_moe(model: nn.Module, meshes: Meshes, capacity_factor: float = 0.0, chunks: int = 1) -> None:
     """Place the routed experts (ep mesh, or tp-split when ep == 1) and install the static dispatch
-    on every MoE module of a meta-device model."""
+    on every MoE module of a meta-device model; `chunks` > 1 splits each MoE's tokens (MoEPlan.chunks)."""
     deg = meshes.degrees
     tp_mesh = meshes.tp if deg.tp > 1 else None
     ep_mesh = meshes.ep if deg.ep > 1 else None
@@ -178,7 +191,7 @@ def prepare_moe(model: nn.Module, meshes: Meshes, capacity_factor: float = 0.0) 
         )
         scale = deg.tp / deg.ep if ep_mesh is not None else 1.0
         moe.register_buffer("tokens_dropped", torch.zeros((), device="meta"), persistent=False)
-        moe._moe_plan = MoEPlan(dispatch, tp_mesh, experts_tp, scale, count_dims)
+        moe._moe_plan = MoEPlan(dispatch, tp_mesh, experts_tp, scale, count_dims, chunks)
         moe.__class__ = StaticDispatchMoE
 
 

@@ -2,7 +2,8 @@
 
 - `gather_twins`: a second communicator for every mesh dimension, over the same ranks. NCCL runs one
   communicator's collectives one after another on its stream; the FSDP all-gathers on the twin run
-  beside the reduce-scatters (passes/gather_group.py).
+  beside the reduce-scatters (passes/gather_group.py). `all_to_all_twins`: a third one, for the expert
+  all-to-alls of passes/ep_overlap.py.
 - `probe`: the bandwidth and latency of each mesh dimension's link, timed once at start-up with
   all-gathers of two sizes and fitted to the ring model the cost model prices collectives with
   (hardware.ring_collective_s: `steps * latency + (ranks - 1) / ranks * bytes / bandwidth`). Every
@@ -30,6 +31,7 @@ class Measured:
 
 
 _TWINS: dict[str, str] = {}
+_A2A_TWINS: dict[str, str] = {}
 _MEASURED: dict[str, Measured] = {}
 _WORLD: dict[str, object] = {}
 """The default group the twins and measurements belong to: a new process group (a test's second
@@ -62,11 +64,8 @@ def mesh_dims(meshes) -> list[tuple[str, list[list[int]]]]:
     return out
 
 
-def gather_twins(meshes, timeout: timedelta) -> dict[str, str]:
-    """Group name -> the name of its twin communicator (same ranks), made once per process group.
-    `timeout`: the job's collective timeout (--comm.timeout_seconds); a new group's default (gloo 30
-    minutes, NCCL 10) would keep a rank waiting on a dead peer that long."""
-    twins = _current("twins", _TWINS)
+def _make_twins(key: str, table: dict[str, str], meshes, timeout: timedelta) -> dict[str, str]:
+    twins = _current(key, table)
     if twins:
         return twins
     for name, groups in mesh_dims(meshes):
@@ -76,14 +75,27 @@ def gather_twins(meshes, timeout: timedelta) -> dict[str, str]:
     return twins
 
 
-def made_twins() -> dict[str, str]:
-    """The twins made so far in this process group (none are made here)."""
-    return dict(_current("twins", _TWINS))
+def gather_twins(meshes, timeout: timedelta) -> dict[str, str]:
+    """Group name -> the name of its twin communicator (same ranks), made once per process group.
+    `timeout`: the job's collective timeout (--comm.timeout_seconds); a new group's default (gloo 30
+    minutes, NCCL 10) would keep a rank waiting on a dead peer that long."""
+    return _make_twins("twins", _TWINS, meshes, timeout)
+
+
+def all_to_all_twins(meshes, timeout: timedelta) -> dict[str, str]:
+    """Group name -> a third communicator over the same ranks for the expert all-to-alls
+    (passes/ep_overlap.py): apart from the reduce-scatters and from the all-gathers' twin."""
+    return _make_twins("all_to_all_twins", _A2A_TWINS, meshes, timeout)
+
+
+def made_twins() -> list[tuple[str, str]]:
+    """(mesh group, twin) of every twin made so far in this process group (none are made here)."""
+    return [*_current("twins", _TWINS).items(), *_current("all_to_all_twins", _A2A_TWINS).items()]
 
 
 def twin_of(group_name: str) -> str | None:
     """The mesh group a twin communicator stands in for (None for a mesh group or an unknown name)."""
-    return next((k for k, v in _current("twins", _TWINS).items() if v == group_name), None)
+    return next((k for k, v in made_twins() if v == group_name), None)
 
 
 PROBE_BYTES = (1 << 20, 64 << 20)

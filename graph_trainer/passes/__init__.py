@@ -6,3 +6,4 @@ from . import cudagraph  # noqa: F401
 from . import inductor  # noqa: F401
 from . import bucketing, block_bucketing, gather_group, reshard  # noqa: F401
 from . import memory_policy  # noqa: F401
+from . import async_tp, ep_overlap  # noqa: F401

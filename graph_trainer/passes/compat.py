@@ -36,6 +36,13 @@ def use_cuda_memory_pool(device: int, pool: tuple[int, int], stream: torch.cuda.
     return _use_cuda_memory_pool_manager(device, pool, stream)
 
 
+def enable_symmetric_memory(group_name: str) -> None:
+    """Let the symm_mem ops (async TP) allocate symmetric memory over the group's ranks."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    enable_symm_mem_for_group(group_name)
+
+
 def cpu_vector_isa() -> str:
     """The vector instruction set Inductor writes C++ kernels for on this CPU (e.g. "avx512")."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
@@ -58,6 +65,7 @@ __all__ = [
     "detect_fake_mode",
     "regional_inductor",
     "cpu_vector_isa",
+    "enable_symmetric_memory",
     "select_decomp_table",
     "standalone_compile",
     "tracing",

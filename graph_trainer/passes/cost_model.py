@@ -70,8 +70,8 @@ def mesh_links(meshes: Any, hw: Hardware) -> dict[str, Link]:
             measured = measured_link(group.group_name)
             links[group.group_name] = Link(len(ranks), len({r // per_host for r in ranks}) > 1,
                                            measured and measured.bytes_per_s, measured and measured.latency_s)
-    # the all-gathers' twin communicators (made by passes/gather_group.py, never by pricing) share the link
-    for name, twin in made_twins().items():
+    # twin communicators (made by passes/gather_group.py and ep_overlap.py, never by pricing) share the link
+    for name, twin in made_twins():
         if name in links:
             links[twin] = links[name]
     return links

@@ -76,6 +76,9 @@ class PassSpec:
     """Environment variables the pass needs set before any process group exists (unless the user set them)."""
     set_by: str = ""
     """The flag that adds this pass (in front of the others); it is refused in --compile.passes."""
+    needs_degrees: tuple[str, ...] = ()
+    """Parallelism degrees (`parallelism.<name>`) that must be > 1: the communication the pass
+    transforms exists only then."""
 
 
 PASSES: dict[str, PassSpec] = {}

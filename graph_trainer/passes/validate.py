@@ -63,10 +63,21 @@ def check_passes(cfg: JobConfig, device_type: str) -> None:
 
     plan = _Plan([PASSES[n] for n in _backend_passes(cfg)], set(user), mode, backend, device_type)
     plan.check()
+    check_degrees(cfg, plan)
     check_options(cfg, plan)
     for spec in plan.specs:
         for key, value in spec.env_defaults:
             os.environ.setdefault(key, value)
+
+
+def check_degrees(cfg: JobConfig, plan: "_Plan") -> None:
+    """Each pass's declared parallelism (PassSpec.needs_degrees): without it there is nothing to transform."""
+    for spec in plan.specs:
+        for name in spec.needs_degrees:
+            degree = getattr(cfg.parallelism, name)
+            if degree <= 1:
+                raise ConfigError(f"pass {plan.label(spec.name)} needs --parallelism.{name} > 1 and this job has "
+                                  f"--parallelism.{name} {degree}; raise it or remove {spec.name!r} from --compile.passes")
 
 
 def _setting(cfg: JobConfig, flag: str) -> object:
