@@ -42,6 +42,8 @@ from .registry import PassContext, PassSpec, register_pass
 
 aten = torch.ops.aten
 CHUNKS = 2
+PIPELINED = "async_tp_chunk"
+"""`node.meta` key of the collectives the chunked lowering emits (their chunk): not sites again."""
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
@@ -105,6 +107,8 @@ def find_gather_sites(gm: fx.GraphModule) -> list[GatherSite]:
         if wait is None:
             continue
         cat = _split_cat(wait, 0, None)
+        if cat is not None and len(cat.args[0]) != start.args[1]:
+            continue
         gathered = cat if cat is not None else wait
         between = [*cat.args[0], cat.args[0][0].args[0]] if cat is not None else []
         ndim = gathered.meta["val"].dim()
@@ -132,7 +136,7 @@ def find_scatter_sites(gm: fx.GraphModule) -> list[ScatterSite]:
         view = split.args[0] if split is not None and split.target is aten.split.Tensor else source
         if view.target not in _VIEWS or len(view.users) != 1:
             continue
-        if view is not source and _split_cat(view, None, 0) is not source:
+        if view is not source and (_split_cat(view, None, 0) is not source or len(source.args[0]) != start.args[2]):
             continue
         matmul = view.args[0]
         if matmul.target is not aten.mm.default or len(matmul.users) != 1:
@@ -182,10 +186,12 @@ def _chunked_gather(graph: fx.Graph, site: GatherSite) -> tuple[fx.Node, list[fx
     x, ranks, group = site.start.args
     dim, full = site.dim, list(site.gathered.meta["val"].shape)
     local = x.meta["val"].shape[dim]
-    starts = [emit(graph, ALL_GATHER, emit(graph, aten.clone.default,
-                                          emit(graph, aten.slice.Tensor, x, dim, c * local // CHUNKS, (c + 1) * local // CHUNKS),
-                                          memory_format=torch.contiguous_format), ranks, group)
-              for c in range(CHUNKS)]
+    starts = []
+    for c in range(CHUNKS):
+        piece = emit(graph, aten.slice.Tensor, x, dim, c * local // CHUNKS, (c + 1) * local // CHUNKS)
+        starts.append(emit(graph, ALL_GATHER, emit(graph, aten.clone.default, piece, memory_format=torch.contiguous_format),
+                           ranks, group))
+        starts[-1].meta[PIPELINED] = c
     gathered, outs = [], [[] for _ in site.matmuls]
     for start in starts:
         part = emit(graph, WAIT, start)
@@ -210,8 +216,13 @@ def _symm_mem_gather(graph: fx.Graph, site: GatherSite) -> tuple[fx.Node, list[f
     fused = emit(graph, torch.ops.symm_mem.fused_all_gather_matmul.default, x, [mm.args[1] for mm in site.matmuls],
                  site.dim, group)
     outs = emit(graph, operator.getitem, fused, 1)
-    return emit(graph, operator.getitem, fused, 0), [
-        emit(graph, aten.view.default, emit(graph, operator.getitem, outs, i), list(mm.meta["val"].shape))
+    # its outputs keep the gathered rows in the order they arrive (gather dim first): the graph's views of
+    # the gathered activation need it contiguous, and a reshape of the outputs copies
+    gathered = emit(graph, operator.getitem, fused, 0)
+    if not gathered.meta["val"].is_contiguous():
+        gathered = emit(graph, aten.clone.default, gathered, memory_format=torch.contiguous_format)
+    return gathered, [
+        emit(graph, aten.reshape.default, emit(graph, operator.getitem, outs, i), list(mm.meta["val"].shape))
         for i, mm in enumerate(site.matmuls)]
 
 
@@ -233,6 +244,7 @@ def _chunked_scatter(graph: fx.Graph, site: ScatterSite) -> fx.Node:
                       memory_format=torch.contiguous_format)
         send = emit(graph, aten.view.default, ranked, [ranks * part_shape[0], *part_shape[1:]])
         starts.append(emit(graph, REDUCE_SCATTER, send, "sum", ranks, group))
+        starts[-1].meta[PIPELINED] = c
     return emit(graph, aten.cat.default, [emit(graph, WAIT, start) for start in starts], dim)
 
 
@@ -283,8 +295,9 @@ def tp_sites(gm: fx.GraphModule, group: str | None, num_params: int) -> tuple[li
     if group is None:
         return [], []
     params = set(gm.graph.find_nodes(op="placeholder")[:num_params])
-    gathers = [s for s in find_gather_sites(gm) if s.start.args[2] == group and not gathers_parameters(s.start, params)]
-    scatters = [s for s in find_scatter_sites(gm) if s.start.args[3] == group]
+    gathers = [s for s in find_gather_sites(gm) if s.start.args[2] == group and PIPELINED not in s.start.meta
+               and not gathers_parameters(s.start, params)]
+    scatters = [s for s in find_scatter_sites(gm) if s.start.args[3] == group and PIPELINED not in s.start.meta]
     return gathers, scatters
 
 

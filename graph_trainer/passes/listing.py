@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .registry import PASSES
 
-COLUMNS = ("name", "stages", "modes", "requires", "conflicts", "last", "cuda", "description")
+COLUMNS = ("name", "stages", "modes", "requires", "conflicts", "last", "cuda", "needs", "description")
 
 
 def _row(spec) -> tuple[str, ...]:
@@ -12,7 +12,8 @@ def _row(spec) -> tuple[str, ...]:
         return ",".join(items) or "-"
 
     return (spec.name, names(spec.stages), names(spec.modes), names(spec.requires), names(spec.conflicts),
-            "yes" if spec.must_be_last else "-", "yes" if spec.cuda_only else "-", spec.description)
+            "yes" if spec.must_be_last else "-", "yes" if spec.cuda_only else "-",
+            names(tuple(f"{d}>1" for d in spec.needs_degrees)), spec.description)
 
 
 def registry_table() -> str:
