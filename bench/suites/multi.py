@@ -94,12 +94,21 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
         return run
 
     auto = f"{c.group} auto"
+    # async_tp and ep_overlap (issue 33) on top of the overlap schedule, beside torchtitan compile with its async TP
+    schedule = ["separate_gather_group", "transformer_block_bucketing"] if c.dp_shard > 1 else []
+    overlap = [*(["async_tp"] if c.tp > 1 else []), *(["ep_overlap"] if c.ep > 1 else [])]
+    overlapped = [
+        *([theirs("titan compile async TP", c.group, ["--compile.enable", "--parallelism.enable_async_tensor_parallel"])]
+          if c.tp > 1 else []),
+        ours(f"gt full {'+'.join(overlap)}", c.group, FULL + ["--compile.passes", ",".join(schedule + overlap)], profile=True),
+    ] if overlap else []
     # the best manual configuration: aot_fx_trace, full Inductor and the default multi-rank overlap schedule
     return [
         theirs("titan eager", c.group, []),
         theirs("titan compile", c.group, ["--compile.enable"], profile=True),
         ours("gt eager", c.group, ["--compile.mode", "eager"]),
         ours("gt aot_fx_trace full", c.group, FULL, profile=True),
+        *overlapped,
         theirs("titan compile", auto, ["--compile.enable"]),
         ours("gt full auto-placed", auto, FULL + ["--compile.autoparallel"], profile=True),
         ours("gt autoparallel_backend auto-placed", auto, TRACE + ["--compile.inductor_compilation", "autoparallel_backend",
