@@ -99,14 +99,15 @@ class StaticDispatchMoE(MoE):
 
         gate = self.router.gate
         gate_weight, gate_bias = _compute_tensor(gate.weight, True), _compute_tensor(gate.bias, True)
-        weights = [_compute_tensor(w, False) for w in (self.experts.w1, self.experts.w2, self.experts.w3)]
-        if plan.expert_grad_scale != 1.0:
-            weights = [_ScaleGrad.apply(w, plan.expert_grad_scale) for w in weights]
+        weights: list[Tensor] = []
         # Tokens are batch-major: halves split the batch, or each sequence when the batch is one.
         outputs = []
-        for chunk, part in enumerate(tokens.chunk(plan.chunks)):
+        # chunk(1) would still trace a split: the unsplit graph stays as it was
+        for chunk, part in enumerate(tokens.chunk(plan.chunks) if plan.chunks > 1 else (tokens,)):
             with annotate({CHUNK_KEY: chunk}) if plan.chunks > 1 else contextlib.nullcontext():
                 scores, experts = route(self.router, part, gate_weight, gate_bias, self.expert_bias)
+                # read after the first routing, where the unsplit layer has always gathered them
+                weights = weights or self._expert_weights()
                 result = dispatch_and_combine(plan.dispatch, part, scores, experts, *weights)
             if not _is_recomputation():
                 with torch.no_grad():
@@ -125,6 +126,11 @@ class StaticDispatchMoE(MoE):
         if self.shared_experts is None:
             return routed
         return self.shared_experts(x_full).redistribute(tp, (Shard(1),)).to_local() + routed
+
+    def _expert_weights(self) -> list[Tensor]:
+        weights = [_compute_tensor(w, False) for w in (self.experts.w1, self.experts.w2, self.experts.w3)]
+        scale = self._moe_plan.expert_grad_scale
+        return [_ScaleGrad.apply(w, scale) for w in weights] if scale != 1.0 else weights
 
 
 def _moe_blocks(model: nn.Module) -> list[tuple[nn.Module, MoE]]:
