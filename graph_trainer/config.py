@@ -116,6 +116,17 @@ class Parallelism:
     last transformer block, final norm and output, which backward needs first), in every mode."""
     moe_capacity_factor: float = 0.0
     """Expert-parallel dispatch buffer per peer as a multiple of the even share; 0: no token is ever dropped."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers split into stages over this many ranks (outermost mesh dimension)."""
+    pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble"] = "1F1B"
+    """torch.distributed.pipelining schedule; the interleaved ones run pp_stages_per_rank stages on each rank."""
+    pp_microbatches: int = 0
+    """Microbatches each pipeline step splits the rank's batch into; 0: one per stage."""
+    pp_stages_per_rank: int = 0
+    """Stages on each pp rank: 1 for 1F1B and GPipe; 0 means 1 for those, 2 for the interleaved schedules."""
+    pp_layers_per_stage: list[str] = field(default_factory=list)
+    """Transformer layers in each stage, comma separated (e.g. 1,3); empty: an even split. The first stage also holds the
+    embedding, the last the final norm and output."""
 
 
 @dataclass

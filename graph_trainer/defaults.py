@@ -8,7 +8,8 @@ the validator checks, the trainer runs and `config.toml` records the same config
   overlap schedule, `separate_gather_group` (all-gathers on their own communicator) then
   `transformer_block_bucketing` (one bucket per block, prefetch chosen by the cost model); with
   `autoparallel_backend`, whose own scheduling pass buckets, only the first. `--compile.passes none`
-  runs the step without any pass of ours; any other list is taken as it is.
+  runs the step without any pass of ours; any other list is taken as it is. With pipeline parallelism
+  the default is no pass.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _backend(cfg: JobConfig, device_type: str) -> str:
 def _sharded(cfg: JobConfig, world_size: int) -> bool:
     """Whether parameters are sharded over data-parallel ranks (FSDP all-gathers to schedule)."""
     p = cfg.parallelism
-    dp_shard = world_size // (p.dp_replicate * p.tp) if p.dp_shard == -1 else p.dp_shard
+    dp_shard = world_size // (p.pp * p.dp_replicate * p.tp) if p.dp_shard == -1 else p.dp_shard
     return world_size > 1 and dp_shard > 1
 
 
@@ -39,7 +40,8 @@ def _passes(cfg: JobConfig, backend: str, world_size: int) -> list[str]:
     passes = list(cfg.compile.passes)
     if passes == [NO_PASSES]:
         return []
-    if passes or cfg.compile.mode != "aot_fx_trace" or not _sharded(cfg, world_size):
+    # the overlap schedule plans over a whole-step graph; pipeline stages are graphs of part of a step
+    if passes or cfg.compile.mode != "aot_fx_trace" or not _sharded(cfg, world_size) or cfg.parallelism.pp > 1:
         return passes
     return list(OVERLAP_SCHEDULE[:1] if backend == "autoparallel_backend" else OVERLAP_SCHEDULE)
 

@@ -18,6 +18,8 @@ from .config import ConfigError, JobConfig, parse_args
 def make_plan(cfg: JobConfig) -> dict[str, Any]:
     """Solve on a fake process group standing for the mesh; returns the plan (what plan.json holds)."""
     p = cfg.parallelism
+    if p.pp > 1:
+        raise ConfigError(f"graph-trainer plan places whole-model graphs; it does not plan pipeline stages yet: drop --parallelism.pp {p.pp}")
     if p.dp_shard == -1:
         raise ConfigError("graph-trainer plan needs the mesh spelled out: pass --parallelism.dp_shard N (and tp, dp_replicate)")
     if cfg.compile.autoparallel_impl != "builtin":

@@ -68,6 +68,8 @@ def fake_job(cfg: JobConfig, world_size: int, rank: int) -> JobConfig:
 
 def check(cfg: JobConfig) -> int:
     """Raise ConfigError when there is nothing precompile could store; return the job's world size."""
+    if cfg.parallelism.pp > 1:
+        raise ConfigError(f"precompile compiles the whole-step graph; pipeline stages are compiled at the start of the job: drop --parallelism.pp {cfg.parallelism.pp}")
     world_size = job_world_size(cfg)
     if cache_folder(cfg) is None:
         raise ConfigError("precompile fills the compile cache, which --compile.cache_dir turns off: give it a folder (or auto)")

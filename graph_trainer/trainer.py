@@ -51,6 +51,8 @@ from .parallel.links import probe as probe_links
 from .parallel.fake_data import fill_collective_outputs, restore_collectives, tokens_in_vocab_shard
 from .parallel.materialize import materialize
 from .parallel.mesh import Meshes, build_meshes, device_type, resolve_degrees
+from .parallel.pipeline import prune_to_rank
+from .pipelining import Pipeline, layout_of, microbatches_of
 from .parallel.simple_fsdp import MixedPrecision
 from .placement import place_model, write_placements
 from .blocks import annotate_blocks
@@ -186,10 +188,12 @@ class GraphTrainer:
         set_determinism(cfg, self.device)
         t = cfg.training
         p = cfg.parallelism
-        self.degrees = resolve_degrees(p.dp_replicate, p.dp_shard, p.tp, p.ep, self.env.world_size)
+        self.degrees = resolve_degrees(p.dp_replicate, p.dp_shard, p.tp, p.ep, self.env.world_size, p.pp)
         self.meshes: Meshes = build_meshes(self.degrees, self.device.type)
         probe_links(self.meshes, self.device)
-        self.local_batch = t.batch_size // (self.degrees.dp * t.gradient_accumulation_steps)
+        # with pipelining the loader reads one schedule microbatch at a time, as gradient accumulation would
+        self.microbatches = microbatches_of(cfg)
+        self.local_batch = t.batch_size // (self.degrees.dp * t.gradient_accumulation_steps * self.microbatches)
 
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path or None)
         self.loader = None
@@ -207,6 +211,9 @@ class GraphTrainer:
         model = models.build_on_meta(spec, args, self.device.type)
         # before placement: the solver traces the forward with the masks the model builds from its tokens
         models.install_attention_masks(model, document_separator(self.tokenizer))
+        layout = layout_of(cfg, args.n_layers)
+        if layout is not None:
+            prune_to_rank(model, layout, self.meshes.pp.get_local_rank())
         self.model = place_model(model, spec, args, self.meshes, mp, cfg)
         placement_s = time.perf_counter() - placement_start
         if t.deterministic and self.device.type == "cuda":
@@ -238,7 +245,12 @@ class GraphTrainer:
         loss_fn = build_loss(t.loss, self.model, t.loss_chunk_tokens)
         self.capture = CaptureContext(cfg, self.meshes, self.model, loss_fn, 1.0 / t.gradient_accumulation_steps, self.device,
                                       stats={"placement_s": placement_s}, optimizers=self.optimizers)
-        self.step_fn = build_step(cfg.compile.mode, self.capture)
+        self.pipeline = None
+        if layout is not None:
+            self.pipeline = Pipeline(self.capture, layout, args, self.local_batch, mp.param_dtype)
+            self.step_fn = self.pipeline.step
+        else:
+            self.step_fn = build_step(cfg.compile.mode, self.capture)
         self.validator = None
         if cfg.validation.enable:
             loader = validation_loader(cfg, held_out, self.tokenizer, self.local_batch, self.meshes.dp_rank(), self.degrees.dp)
@@ -283,6 +295,14 @@ class GraphTrainer:
             inputs, labels = self.loader.next_batch()
         return self.to_device(inputs, labels)
 
+    def next_batches(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A gradient-accumulation microbatch: with pipelining, the schedule's microbatches read one by
+        one (numbered as gradient accumulation numbers them) and joined for the schedule to split again."""
+        if self.microbatches == 1:
+            return self.next_batch(micro)
+        parts = [self.next_batch(micro * self.microbatches + m) for m in range(self.microbatches)]
+        return torch.cat([i for i, _ in parts]), torch.cat([lab for _, lab in parts])
+
     def to_device(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.embedding_weight is not None:
             # the fake reduce-scatter of a vocab-parallel embedding fills only this rank's rows (fake_data)
@@ -295,12 +315,13 @@ class GraphTrainer:
         self.optimizers.zero_grad()
         loss = torch.zeros((), device=self.device)
         for micro in range(self.cfg.training.gradient_accumulation_steps):
-            inputs, labels = self.next_batch(micro)
+            inputs, labels = self.next_batches(micro)
             loss += self.step_fn(inputs, labels)
         grad_norm = own_grad_norm(self.step_fn)
         if grad_norm is None:
             grad_norm = clip_grad_norm_(list(self.model.parameters()), self.cfg.training.max_norm or math.inf,
-                                        ep_enabled=self.degrees.ep > 1)
+                                        ep_enabled=self.degrees.ep > 1,
+                                        norm_fn=self.pipeline.total_norm if self.pipeline is not None else None)
         # After a step that updated the parameters itself no gradient is left: AdamW skips every
         # parameter and only the optimizer's step hooks run (MoE load balancing).
         self.optimizers.step()
@@ -321,7 +342,7 @@ class GraphTrainer:
 
     def train(self) -> list[dict]:
         t = self.cfg.training
-        tokens_per_step = self.local_batch * t.seq_len * t.gradient_accumulation_steps
+        tokens_per_step = self.local_batch * t.seq_len * t.gradient_accumulation_steps * self.microbatches
         metrics = MetricsLogger(self.cfg.job.dump_folder, self.is_rank0, t.steps, self.flops_per_token,
                                 self.device, self.env.world_size, self.cfg.metrics.progress_bar, first_step=self.step + 1,
                                 ranks_per_batch_shard=self.degrees.world_size // self.degrees.dp)

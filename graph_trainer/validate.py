@@ -46,6 +46,12 @@ def check_mesh(cfg: JobConfig, world_size: int) -> tuple[int, int, int, int]:
             raise ConfigError(f"parallelism.{name} must be >= 1, got {getattr(p, name)}")
     if p.dp_shard == 0 or p.dp_shard < -1:
         raise ConfigError(f"parallelism.dp_shard must be -1 (fill) or >= 1, got {p.dp_shard}")
+    if p.pp < 1:
+        raise ConfigError(f"parallelism.pp must be >= 1, got {p.pp}")
+    if world_size % p.pp:
+        raise ConfigError(f"world size {world_size} is not divisible by parallelism.pp={p.pp}; change --parallelism.pp or the number of ranks")
+    # the other degrees fill one pipeline rank's share of the ranks
+    world_size //= p.pp
     dp_shard = p.dp_shard
     if dp_shard == -1:
         if world_size % (p.dp_replicate * p.tp):
@@ -383,3 +389,63 @@ def check_validation(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None
 
 
 _CHECKS_AFTER_MESH += (check_validation,)
+
+
+def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
+    """--parallelism.pp: the stage split, the schedule's microbatches, and what pipelining does not combine with."""
+    from .parallel.pipeline import LOOPED, SPLIT_BACKWARD, default_microbatches, min_microbatches, split_layers, stages_per_rank
+    from .pipelining import TRACED_MODES
+
+    p, t = cfg.parallelism, cfg.training
+    if p.pp == 1:
+        if p.pp_layers_per_stage or p.pp_microbatches or p.pp_stages_per_rank:
+            raise ConfigError("--parallelism.pp_layers_per_stage/pp_microbatches/pp_stages_per_rank shape a pipeline: add --parallelism.pp N (N > 1)")
+        return
+    unsupported = [
+        (cfg.compile.autoparallel, "--compile.autoparallel (the solver places whole-model graphs)"),
+        (cfg.comm.mode == "fake", "--comm.mode fake"),
+        (degrees[2] > 1, "--parallelism.tp > 1"),
+        (models.get_spec(cfg.model.name).is_moe, f"the MoE model {cfg.model.name}"),
+        (cfg.compile.mode == "jit", "--compile.mode jit"),
+        (cfg.compile.optimizer_in_graph, "--compile.optimizer_in_graph"),
+        (t.loss == "fused_linear_ce", "--training.loss fused_linear_ce (the output projection is in the last stage's graph)"),
+        (cfg.validation.enable, "--validation.enable"),
+        (cfg.checkpoint.last_save_in_hf or bool(cfg.checkpoint.initial_load_path), "Hugging Face or initial-weight loading/saving"),
+        (cfg.compile.mode in TRACED_MODES and p.pp_schedule in SPLIT_BACKWARD,
+         f"--parallelism.pp_schedule {p.pp_schedule} with --compile.mode {cfg.compile.mode} (a traced stage's backward graph computes "
+         "input and weight gradients together; use --compile.mode eager or another schedule)"),
+        (cfg.compile.mode in TRACED_MODES and bool(cfg.compile.passes), "--compile.passes (its passes plan over whole-step graphs)"),
+    ]
+    for hit, what in unsupported:
+        if hit:
+            raise ConfigError(f"--parallelism.pp {p.pp} does not combine with {what} yet; drop one of them")
+    if p.pp_stages_per_rank < 0:
+        raise ConfigError(f"parallelism.pp_stages_per_rank must be >= 0 (0: the schedule's default), got {p.pp_stages_per_rank}")
+    per_rank = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+    if p.pp_schedule in LOOPED and per_rank < 2:
+        raise ConfigError(f"--parallelism.pp_schedule {p.pp_schedule} runs several stages per rank: set --parallelism.pp_stages_per_rank >= 2")
+    if p.pp_schedule not in LOOPED and per_rank != 1:
+        raise ConfigError(f"--parallelism.pp_schedule {p.pp_schedule} runs one stage per rank: drop --parallelism.pp_stages_per_rank, "
+                          f"or use Interleaved1F1B for {per_rank}")
+    if not all(n.isdigit() for n in p.pp_layers_per_stage):
+        raise ConfigError(f"--parallelism.pp_layers_per_stage takes layer counts (e.g. 1,3), got {','.join(p.pp_layers_per_stage)}")
+    n_layers = models.get_spec(cfg.model.name).job_args(cfg).n_layers
+    try:
+        split_layers(n_layers, p.pp * per_rank, [int(n) for n in p.pp_layers_per_stage])
+    except ValueError as e:
+        raise ConfigError(f"--parallelism.pp {p.pp}: {e}") from None
+    if p.pp_microbatches < 0:
+        raise ConfigError(f"parallelism.pp_microbatches must be >= 0 (0: one per stage), got {p.pp_microbatches}")
+    micro = p.pp_microbatches or default_microbatches(p.pp, per_rank)
+    least = min_microbatches(p.pp_schedule, p.pp)
+    if micro < least:
+        raise ConfigError(f"--parallelism.pp_schedule {p.pp_schedule} needs at least {least} microbatches (one per pp rank), "
+                          f"got --parallelism.pp_microbatches {micro}; raise it or use GPipe")
+    per_rank_batch = t.batch_size // (degrees[0] * degrees[1] * t.gradient_accumulation_steps)
+    if per_rank_batch % micro:
+        raise ConfigError(f"each data-parallel rank's batch of {per_rank_batch} sequences (per accumulation step) does not split into "
+                          f"{micro} pipeline microbatches; use a --training.batch_size that is a multiple of "
+                          f"{degrees[0] * degrees[1] * t.gradient_accumulation_steps * micro}, or another --parallelism.pp_microbatches")
+
+
+_CHECKS_AFTER_MESH += (check_pipeline,)

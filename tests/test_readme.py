@@ -194,8 +194,9 @@ def _run(cmd: Command, scratch: Path) -> None:
 
 def _validate(cmd: Command) -> None:
     assert cmd.argv[:1] == ("train",), cmd.text
-    degrees = validate(parse_args(list(cmd.argv[1:])), world_size=cmd.world_size)
-    assert math.prod(degrees[:3]) == cmd.world_size, cmd.text
+    cfg = parse_args(list(cmd.argv[1:]))
+    degrees = validate(cfg, world_size=cmd.world_size)
+    assert math.prod(degrees[:3]) * cfg.parallelism.pp == cmd.world_size, cmd.text
 
 
 def _validate_on_gpu(cmd: Command) -> None:

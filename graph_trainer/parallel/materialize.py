@@ -57,6 +57,8 @@ def materialize(model: nn.Module, reference: nn.Module, device: torch.device, se
         _call_init(unit, device, skip_layers=is_root)
         for name, full, is_param in _own_tensors(unit, skip_layers=is_root):
             fqn = f"{prefix}.{name}" if prefix else name
+            if not _holds(model, fqn, params):
+                continue
             if is_param:
                 target = params[fqn]
                 shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
@@ -66,6 +68,17 @@ def materialize(model: nn.Module, reference: nn.Module, device: torch.device, se
                 model.get_submodule(owner)._buffers[short] = full.clone()
         if not is_root:
             unit.to_empty(device="meta")
+
+
+def _holds(model: nn.Module, fqn: str, params: dict[str, nn.Parameter]) -> bool:
+    """Whether this rank's model has the tensor: a pipeline stage holds only some modules (parallel/pipeline.py)."""
+    if fqn in params:
+        return True
+    owner, _, short = fqn.rpartition(".")
+    try:
+        return short in model.get_submodule(owner)._buffers
+    except AttributeError:
+        return False
 
 
 def _root_to_empty(root: nn.Module, device: torch.device) -> None:
