@@ -77,32 +77,26 @@ def interleave(span: list[fx.Node]) -> list[fx.Node]:
     inside = set(span)
     index = {n: i for i, n in enumerate(span)}
     missing = {n: sum(1 for a in n.all_input_nodes if a in inside) for n in span}
-    waits = {n for n in span if n.target is WAIT and n.args[0].target is ALL_TO_ALL and n.args[0] in inside}
+    issued: dict[fx.Node, int] = {}
     ready: list[int] = []
-    parked: list[int] = []
-    """Ready waits, by the position their all-to-all was issued at in the new order."""
-    issued_at: dict[fx.Node, int] = {}
+    # ready waits as (where their all-to-all went in the new order, their index in the span)
+    parked: list[tuple[int, int]] = []
     out: list[fx.Node] = []
 
     def release(n: fx.Node) -> None:
-        if n in waits:
-            heapq.heappush(parked, issued_at[n.args[0]])
+        if n.target is WAIT and n.args[0] in issued:
+            heapq.heappush(parked, (issued[n.args[0]], index[n]))
         else:
             heapq.heappush(ready, index[n])
 
     for n in span:
         if missing[n] == 0:
             release(n)
-    by_issue: dict[int, fx.Node] = {}
     while ready or parked:
-        if ready:
-            n = span[heapq.heappop(ready)]
-        else:
-            n = _wait_of(by_issue[heapq.heappop(parked)])
+        n = span[heapq.heappop(ready) if ready else heapq.heappop(parked)[1]]
         out.append(n)
         if n.target is ALL_TO_ALL:
-            issued_at[n] = len(out)
-            by_issue[len(out)] = n
+            issued[n] = len(out)
         for user in n.users:
             if user in inside:
                 missing[user] -= 1
