@@ -9,7 +9,8 @@ does not know are passed to every run. A run spec is `PLACEMENT[:BACKEND[:PASSES
 
     PLACEMENT  manual (the SimpleFSDP/TP/EP plan) or auto (--compile.autoparallel)
     BACKEND    --compile.inductor_compilation (default none)
-    PASSES     --compile.passes joined by '+' (default: no passes)
+    PASSES     --compile.passes joined by '+' (default: the trainer's, the overlap schedule on several
+               sharded ranks; `none` for no pass)
     MODE       --compile.mode (default aot_fx_trace)
 
 Empty fields take the default (`manual:::eager`). The spec alone decides those four settings, so the

@@ -96,7 +96,7 @@ def _ctx(cache_dir: Path) -> PassContext:
 
 
 def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> SimpleNamespace:
-    dense = SimpleNamespace(mesh=torch.empty(shape), mesh_dim_names=names)
+    dense = SimpleNamespace(shape=shape, mesh_dim_names=names)
     return SimpleNamespace(dense=dense, sparse=None)
 
 
