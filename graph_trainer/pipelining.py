@@ -7,13 +7,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .capture.registry import CaptureContext
+from .clipping import EP_DIM
 from .config import JobConfig
 from .parallel.mesh import Meshes
-from .parallel.pipeline import PipelineLayout, PipelineStep, build_layout, build_schedule, default_microbatches, pipeline_total_norm, stage_grads, stage_views, stages_per_rank
-from .clipping import EP_DIM
+from .parallel.pipeline import (PipelineLayout, PipelineStep, build_layout, build_schedule, default_microbatches,
+                                pipeline_total_norm, stage_grads, stage_views, stages_per_rank)
 
 TRACED_MODES = ("aot_fx_trace", "aot")
 
@@ -56,17 +59,26 @@ class Pipeline:
             return loss_fn(output, labels) * scale
 
         schedule = build_schedule(modules, layout, self.meshes.pp, ctx.device, scaled_loss, microbatch, ctx.cfg.training.seq_len,
-                                  model_args.dim, model_args.vocab_size, dtype)
+                                  model_args.dim, model_args.vocab_size, dtype, self.meshes.degrees.tp)
         self.step = PipelineStep(schedule, layout, self.meshes.pp, ctx.device)
         self.ep_enabled = self.meshes.degrees.ep > 1
+        self.device = ctx.device
+
+    def sum_over_ranks(self, value: torch.Tensor | None) -> torch.Tensor:
+        """A per-rank count (None: this rank has none) summed over the pipeline ranks."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device) if value is None else value.clone()
+        dist.all_reduce(total, group=self.meshes.pp.get_group())
+        return total
 
     def total_norm(self) -> torch.Tensor:
+        """Over every stage; with expert parallelism the expert and the other gradients apart, combined (clipping.total_norm)."""
         if not self.ep_enabled:
-            return pipeline_total_norm(stage_grads(self.views, self.layout, self.pp_rank), self.meshes.pp)
+            return pipeline_total_norm(stage_grads(self.views, self.layout, self.pp_rank), self.meshes.pp, self.meshes.dense)
 
         def is_ep(g: torch.Tensor) -> bool:
-            return EP_DIM in (getattr(g, "device_mesh", None) and g.device_mesh.mesh_dim_names or ())
+            return isinstance(g, DTensor) and EP_DIM in (g.device_mesh.mesh_dim_names or ())
 
-        ep = pipeline_total_norm(stage_grads(self.views, self.layout, self.pp_rank, is_ep), self.meshes.pp)
-        dense = pipeline_total_norm(stage_grads(self.views, self.layout, self.pp_rank, lambda g: not is_ep(g)), self.meshes.pp)
+        ep = pipeline_total_norm(stage_grads(self.views, self.layout, self.pp_rank, is_ep), self.meshes.pp, self.meshes.sparse)
+        dense = pipeline_total_norm(stage_grads(self.views, self.layout, self.pp_rank, lambda g: not is_ep(g)), self.meshes.pp,
+                                    self.meshes.dense)
         return (ep**2.0 + dense**2.0) ** 0.5

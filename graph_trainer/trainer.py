@@ -231,6 +231,7 @@ class GraphTrainer:
             from .parallel.expert_parallel import install_load_balancing
 
             self.load_balancing = install_load_balancing(self.optimizers, self.model, self.meshes)
+        self.is_moe = spec.is_moe
 
         self.step = 0
         from torchtitan.components.checkpoint import ModelWrapper
@@ -327,8 +328,12 @@ class GraphTrainer:
         self.optimizers.step()
         self.lr_schedulers.step()
         values = [self._mean_over_dp(loss), grad_norm]
-        if self.load_balancing is not None:
-            values.append(self.load_balancing.dropped)
+        dropped = self.load_balancing.dropped if self.load_balancing is not None else None
+        if self.pipeline is not None and self.is_moe:
+            # every pipeline rank joins the sum, one whose stages hold no MoE block too
+            dropped = self.pipeline.sum_over_ranks(dropped)
+        if dropped is not None:
+            values.append(dropped)
         # One host sync per step reads all of them.
         loss, grad_norm, *dropped = torch.stack([v.double() for v in values]).tolist()
         return loss, grad_norm, {"dropped_tokens": int(dropped[0])} if dropped else {}

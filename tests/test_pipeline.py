@@ -88,6 +88,26 @@ def test_pp2_by_dp_shard2_equals_dp_shard2_bitwise():
     _same(cached_train((*common, "--parallelism.pp", "2", "--compile.mode", "aot_fx_trace"), nproc=4), reference)
 
 
+@pytest.mark.slow
+def test_pp2_by_tp2_equals_tp2_bitwise():
+    """The stages exchange the tp ranks' sequence shards (sequence parallelism between blocks)."""
+    common = (*BASE, "--parallelism.tp", "2")
+    reference = cached_train((*common, "--compile.mode", "eager", "--training.gradient_accumulation_steps", "4"), nproc=2)
+    _same(cached_train((*common, "--parallelism.pp", "2", "--parallelism.pp_microbatches", "4", "--compile.mode", "aot_fx_trace"), nproc=4),
+          reference)
+
+
+@pytest.mark.slow
+def test_moe_pp2_by_ep2_equals_ep2_bitwise():
+    """DeepSeek V3 with expert parallelism; the first stage holds only the dense first block (explicit split
+    1,3), so its rank has no expert gradient for the expert part of the norm."""
+    common = ("--config", "configs/deepseek_v3_debug.toml", "--model.n_layers", "4", "--training.batch_size", "8",
+              "--training.seq_len", "64", "--training.steps", "3", "--parallelism.dp_shard", "2", "--parallelism.ep", "2")
+    reference = cached_train((*common, "--compile.mode", "eager", "--training.gradient_accumulation_steps", "2"), nproc=2)
+    pp = ("--parallelism.pp", "2", "--parallelism.pp_layers_per_stage", "1,3", "--compile.mode", "aot_fx_trace")
+    _same(cached_train((*common, *pp), nproc=4), reference)
+
+
 def _resume(saved_by: Path, tmp_path: Path, args: tuple[str, ...], nproc: int) -> list[dict]:
     folder = tmp_path / "resumed"
     shutil.copytree(saved_by, folder)
@@ -113,10 +133,10 @@ def test_resume_pp1_checkpoint_on_pp2(tmp_path: Path):
     (["--parallelism.pp_microbatches", "1"], 2, "needs at least 2 microbatches"),
     (["--training.batch_size", "6", "--parallelism.pp_microbatches", "4"], 2, "does not split into 4 pipeline microbatches"),
     (["--compile.autoparallel"], 2, "does not combine with --compile.autoparallel"),
-    (["--parallelism.tp", "2"], 4, "does not combine with --parallelism.tp > 1"),
+    (["--validation.enable", "--validation.split", "0.1"], 2, "does not combine with --validation.enable"),
     (["--parallelism.pp_schedule", "InterleavedZeroBubble", "--model.n_layers", "4"], 2,
      "InterleavedZeroBubble with --compile.mode aot_fx_trace"),
-], ids=["layers", "microbatches", "batch", "autoparallel", "tp", "zero_bubble_traced"])
+], ids=["layers", "microbatches", "batch", "autoparallel", "validation", "zero_bubble_traced"])
 def test_refusals_are_one_line_exit_2(flags, world_size, needle, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")

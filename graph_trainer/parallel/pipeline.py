@@ -139,16 +139,16 @@ def _schedule_class(name: str) -> type:
 
 def build_schedule(views: Sequence[nn.Module], layout: PipelineLayout, pp_mesh: DeviceMesh, device: torch.device,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], microbatch: int, seq_len: int,
-                   dim: int, vocab: int, dtype: torch.dtype):
+                   dim: int, vocab: int, dtype: torch.dtype, tp: int = 1):
     """The schedule over this rank's stages. Stage inputs and outputs are declared (no shape inference
-    round trip): token ids into the first stage, [microbatch, seq, dim] activations between stages,
-    logits out of the last."""
+    round trip): token ids into the first stage, [microbatch, seq, dim] activations between stages (with
+    tensor parallelism the rank's sequence shard: the blocks' sequence-parallel input), logits out of the last."""
     from torch.distributed.pipelining import PipelineStage
 
     pp_rank = pp_mesh.get_local_rank()
     last = layout.num_stages - 1
     # requires_grad marks what carries a gradient back between stages (torch 2.13 reads it from these)
-    hidden = torch.empty(microbatch, seq_len, dim, dtype=dtype, device="meta", requires_grad=True)
+    hidden = torch.empty(microbatch, seq_len // tp, dim, dtype=dtype, device="meta", requires_grad=True)
     tokens = torch.empty(microbatch, seq_len, dtype=torch.long, device="meta")
     logits = torch.empty(microbatch, seq_len, vocab, dtype=dtype, device="meta", requires_grad=True)
     stages = [
@@ -193,29 +193,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def pipeline_total_norm(grads_by_stage: dict[int, list[torch.Tensor]], pp_mesh: DeviceMesh) -> torch.Tensor:
+def pipeline_total_norm(grads_by_stage: dict[int, list[torch.Tensor]], pp_mesh: DeviceMesh, grad_mesh: DeviceMesh) -> torch.Tensor:
     """The total 2-norm over the gradients of every stage, computed as pp 1 computes it over the whole
     model (torch's get_total_norm: one norm per tensor, then the norm of their stack, reduced over the
     data-parallel ranks), so that it is bitwise the same: each rank's per-tensor norms (local values and
-    placements) are gathered over the pp group and stacked in stage order."""
-    mine = {}
-    template = None
-    for stage, grads in grads_by_stage.items():
-        norms = list(torch._foreach_norm(grads, 2.0)) if grads else []
-        for n in norms:
-            template = template if template is not None else n
-        mine[stage] = [(_local(n).cpu(), tuple(n.placements) if isinstance(n, DTensor) else None) for n in norms]
+    placements) are gathered over the pp group and stacked in stage order. `grad_mesh`: the mesh the
+    gradients live on, for a rank whose stages have none of them (a dense-only stage in an MoE model's
+    expert norm)."""
+    own = {stage: list(torch._foreach_norm(grads, 2.0)) if grads else [] for stage, grads in grads_by_stage.items()}
+    template = next((n for norms in own.values() for n in norms), None)
+    mine = {stage: [(_local(n).cpu(), tuple(n.placements) if isinstance(n, DTensor) else None) for n in norms]
+            for stage, norms in own.items()}
     gathered: list[dict] = [None] * pp_mesh.size()  # type: ignore[list-item]
     dist.all_gather_object(gathered, mine, group=pp_mesh.get_group())
     by_stage = {s: entries for part in gathered for s, entries in part.items()}
-    device = template.device if template is not None else torch.device("cpu")
+    mesh = template.device_mesh if isinstance(template, DTensor) else grad_mesh
+    device = torch.device(mesh.device_type)
     norms = []
     for stage in sorted(by_stage):
         for value, placements in by_stage[stage]:
             value = value.to(device)
             if placements is not None:
-                value = DTensor.from_local(value, template.device_mesh, placements, run_check=False)
+                value = DTensor.from_local(value, mesh, placements, run_check=False)
             norms.append(value)
+    if not norms:
+        return torch.zeros((), device=device)
     total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
     return total.full_tensor() if isinstance(total, DTensor) else total
 
