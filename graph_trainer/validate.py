@@ -408,7 +408,7 @@ def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
         (cfg.compile.optimizer_in_graph, "--compile.optimizer_in_graph"),
         (t.loss == "fused_linear_ce", "--training.loss fused_linear_ce (the output projection is in the last stage's graph)"),
         (cfg.validation.enable, "--validation.enable"),
-        (cfg.checkpoint.last_save_in_hf or bool(cfg.checkpoint.initial_load_path), "Hugging Face or initial-weight loading/saving"),
+        (cfg.checkpoint.last_save_in_hf, "--checkpoint.last_save_in_hf (save a checkpoint and run `graph-trainer export` on it)"),
         (cfg.compile.mode in TRACED_MODES and p.pp_schedule in SPLIT_BACKWARD,
          f"--parallelism.pp_schedule {p.pp_schedule} with --compile.mode {cfg.compile.mode} (a traced stage's backward graph computes "
          "input and weight gradients together; use --compile.mode eager or another schedule)"),

@@ -157,3 +157,22 @@ def test_plan_and_precompile_refuse_pp(command, tmp_path, capsys):
     code = cli.main([command, "--job.dump_folder", str(tmp_path), "--parallelism.pp", "2", "--parallelism.dp_shard", "2"])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "drop --parallelism.pp 2" in lines[0], lines
+
+
+def _export(step_folder: Path, out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    assert cli.main(["export", "--checkpoint", str(step_folder), "--out", str(out)]) == 0
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.slow
+def test_hf_export_of_a_pp_checkpoint_and_hf_start_on_pp2(tmp_path: Path):
+    """`graph-trainer export` of a pp 2 step equals that of the pp 1 step (every stage's tensors, bitwise);
+    a pp 2 run starts from a Hugging Face folder as pp 1 does."""
+    pp_weights = _export(cached_run(_pp("1F1B", "aot_fx_trace", *CKPT), nproc=2) / "checkpoint" / "step-3", tmp_path / "hf_pp")
+    reference = _export(cached_run(REFERENCE) / "checkpoint" / "step-3", tmp_path / "hf")
+    assert pp_weights.keys() == reference.keys() and all(pp_weights[k].equal(reference[k]) for k in reference)
+    start = ("--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf", "--training.steps", "1")
+    pp = run_train([*_pp("1F1B", "aot_fx_trace"), *start], tmp_path / "pp_run", nproc=2)
+    _same(pp, run_train([*BASE, "--compile.mode", "eager", "--training.gradient_accumulation_steps", "4", *start], tmp_path / "pp1_run"))
