@@ -22,7 +22,7 @@ from graph_trainer import cli
 from graph_trainer.hardware import hardware_for
 from graph_trainer.metrics import read_metrics
 from graph_trainer.graph_dump import is_collective
-from graph_trainer.parallel import BLOCK_KEY
+from graph_trainer.blocks import node_block
 from graph_trainer.parallel.simple_fsdp import resharded_params
 from graph_trainer.passes.collectives import find_collectives, forward_derived, forward_end
 from graph_trainer.passes.cost_model import CostModel
@@ -288,7 +288,7 @@ def test_budget_recomputations_stay_within_a_block(fake_pg, caplog):
     """Everything recomputed: each recomputed value is rebuilt from its own block's values or saved ones, and
     what a block hands on (the residual stream) is saved, so backward never rebuilds earlier blocks early."""
     gm, _, _ = _budgeted_llama("0.001GiB", caplog)
-    block = lambda n: n.meta.get("custom", {}).get(BLOCK_KEY)  # noqa: E731
+    block = node_block
     recomputed = [n for n in gm.graph.nodes if n.meta.get("memory_policy") == "recomputed" and not is_collective(n)]
     inside = [n for n in recomputed if block(n) is not None]
     assert len(inside) > 0.9 * len(recomputed) > 0

@@ -13,6 +13,7 @@ import torch
 from torch import fx
 
 from .. import models
+from ..blocks import annotate_blocks
 from ..config import JobConfig
 from ..parallel import apply_activation_checkpointing
 from ..parallel.compat import init_fake_process_group
@@ -44,7 +45,7 @@ def trace_on_fake_mesh(cfg: JobConfig, world_size: int) -> FakeTrace:
     device = torch.device("cpu")
     # Plans are for the GPU: "auto" precision resolves as it would there.
     mp = MixedPrecision.from_config(cfg.training, "cuda")
-    model = place_model(models.build_on_meta(spec, args, "cpu"), spec, args, meshes, mp, cfg)
+    model = annotate_blocks(place_model(models.build_on_meta(spec, args, "cpu"), spec, args, meshes, mp, cfg))
     apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option, cfg.compile.mode)
     local_batch = t.batch_size // (degrees.dp * t.gradient_accumulation_steps)
     step = FunctionalTrainStep(model, cross_entropy, 1.0 / t.gradient_accumulation_steps)

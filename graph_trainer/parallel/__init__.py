@@ -35,26 +35,15 @@ OP_SAC_SAVE_LIST = {
 """Ops whose outputs op-level selective AC saves (of matmuls, every other one): torchtitan's list."""
 
 
-BLOCK_KEY = "ac_block"
-"""`node.meta["custom"]` key: the transformer block a traced op ran in (for the `memory_policy` pass)."""
-
-
-def _mark_blocks(model: nn.Module) -> None:
-    from ..regions import annotate_module
-
-    for name, block in model.layers.items():
-        annotate_module(block, {BLOCK_KEY: name})
-
-
 def apply_activation_checkpointing(model: nn.Module, mode: str, option: str, compile_mode: str) -> None:
     """torchtitan's checkpoint wrappers, except where the `memory_policy` pass decides on the traced
     step instead: `memory_budget`, and op-level selective AC in aot_fx_trace, where make_fx would
-    only tag the ops (no partitioner reads tags in one train-step graph); there the blocks are
-    marked for the pass (its recomputations stay within a block)."""
+    only tag the ops (no partitioner reads tags in one train-step graph); the pass reads the block
+    marks (`blocks.annotate_blocks`, which whoever traces the model applies) and keeps its
+    recomputations within a block."""
     if mode == "none":
         return
     if mode == "memory_budget" or mode == "selective" and option == "op" and compile_mode == "aot_fx_trace":
-        _mark_blocks(model)
         return
     from torchtitan.config import ActivationCheckpoint as TitanAC
     from torchtitan.distributed.activation_checkpoint import apply_ac

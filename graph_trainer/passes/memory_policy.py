@@ -70,7 +70,8 @@ from torch import fx
 
 from ..graph_dump import nbytes
 from ..hardware import select
-from ..parallel import BLOCK_KEY, OP_SAC_SAVE_LIST
+from ..blocks import node_block
+from ..parallel import OP_SAC_SAVE_LIST
 from ..units import GiB, fill_device, parse_memory_budget
 from .activations import Activations
 from .cost_model import CostModel
@@ -230,8 +231,8 @@ def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callab
 
 
 def _blocks(acts: Activations) -> dict[fx.Node, Any]:
-    """The transformer block each forward activation was computed in (`BLOCK_KEY`; None outside blocks)."""
-    return {n: n.meta.get("custom", {}).get(BLOCK_KEY) for n in acts.forward}
+    """The transformer block each forward activation was computed in (None outside blocks)."""
+    return {n: node_block(n) for n in acts.forward}
 
 
 def _block_edges(acts: Activations, block_of: dict[fx.Node, Any]) -> set[fx.Node]:
@@ -240,7 +241,7 @@ def _block_edges(acts: Activations, block_of: dict[fx.Node, Any]) -> set[fx.Node
 
 
 def plan_op_policy(acts: Activations, save_ops: set[Any], node_time: Callable[[fx.Node], float]) -> Policy:
-    """torchtitan's op-level SAC, per block (`node.meta["custom"]["ac_block"]`): keep the outputs of
+    """torchtitan's op-level SAC, per block (`blocks.node_block`): keep the outputs of
     `save_ops` (of matmuls only the 1st, 3rd, ... of each block, as torchtitan counts them) and the
     values a block hands to other code; recompute every other recomputable op of the blocks."""
     block_of = _blocks(acts)
