@@ -26,14 +26,21 @@ def _norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
+def is_expert_grad(g: torch.Tensor) -> bool:
+    return isinstance(g, DTensor) and EP_DIM in (g.device_mesh.mesh_dim_names or ())
+
+
+def join_norms(ep_norm: torch.Tensor, dense_norm: torch.Tensor) -> torch.Tensor:
+    """The total norm from the expert gradients' and the others' (each reduced over its own mesh)."""
+    return (ep_norm**2.0 + dense_norm**2.0) ** 0.5
+
+
 def total_norm(grads: Sequence[torch.Tensor], ep_enabled: bool) -> torch.Tensor:
     """The total 2-norm over all gradients and ranks, a plain 0-dim tensor."""
     if not ep_enabled:
         return _norm(grads)
-    is_ep = [isinstance(g, DTensor) and EP_DIM in (g.device_mesh.mesh_dim_names or ()) for g in grads]
-    ep_norm = _norm([g for g, e in zip(grads, is_ep) if e])
-    dense_norm = _norm([g for g, e in zip(grads, is_ep) if not e])
-    return (ep_norm**2.0 + dense_norm**2.0) ** 0.5
+    is_ep = [is_expert_grad(g) for g in grads]
+    return join_norms(_norm([g for g, e in zip(grads, is_ep) if e]), _norm([g for g, e in zip(grads, is_ep) if not e]))
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

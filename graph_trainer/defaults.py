@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from .config import JobConfig
+from .parallel.mesh import resolve_degrees
 
 OVERLAP_SCHEDULE = ("separate_gather_group", "transformer_block_bucketing")
 NO_PASSES = "none"
@@ -32,8 +33,7 @@ def _backend(cfg: JobConfig, device_type: str) -> str:
 def _sharded(cfg: JobConfig, world_size: int) -> bool:
     """Whether parameters are sharded over data-parallel ranks (FSDP all-gathers to schedule)."""
     p = cfg.parallelism
-    dp_shard = world_size // (p.pp * p.dp_replicate * p.tp) if p.dp_shard == -1 else p.dp_shard
-    return world_size > 1 and dp_shard > 1
+    return world_size > 1 and resolve_degrees(p.dp_replicate, p.dp_shard, p.tp, p.ep, world_size, p.pp).dp_shard > 1
 
 
 def _passes(cfg: JobConfig, backend: str, world_size: int) -> list[str]:

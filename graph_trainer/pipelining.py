@@ -9,10 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .capture.registry import CaptureContext
-from .clipping import EP_DIM
+from .clipping import is_expert_grad, join_norms
 from .config import JobConfig
 from .parallel.mesh import Meshes
 from .parallel.pipeline import (PipelineLayout, PipelineStep, build_layout, build_schedule, default_microbatches,
@@ -74,11 +73,8 @@ class Pipeline:
         """Over every stage; with expert parallelism the expert and the other gradients apart, combined (clipping.total_norm)."""
         if not self.ep_enabled:
             return pipeline_total_norm(stage_grads(self.views, self.layout, self.pp_rank), self.meshes.pp, self.meshes.dense)
-
-        def is_ep(g: torch.Tensor) -> bool:
-            return isinstance(g, DTensor) and EP_DIM in (g.device_mesh.mesh_dim_names or ())
-
-        ep = pipeline_total_norm(stage_grads(self.views, self.layout, self.pp_rank, is_ep), self.meshes.pp, self.meshes.sparse)
-        dense = pipeline_total_norm(stage_grads(self.views, self.layout, self.pp_rank, lambda g: not is_ep(g)), self.meshes.pp,
-                                    self.meshes.dense)
-        return (ep**2.0 + dense**2.0) ** 0.5
+        ep = pipeline_total_norm(stage_grads(self.views, self.layout, self.pp_rank, is_expert_grad), self.meshes.pp,
+                                 self.meshes.sparse)
+        dense = pipeline_total_norm(stage_grads(self.views, self.layout, self.pp_rank, lambda g: not is_expert_grad(g)),
+                                    self.meshes.pp, self.meshes.dense)
+        return join_norms(ep, dense)

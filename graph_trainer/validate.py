@@ -393,8 +393,8 @@ _CHECKS_AFTER_MESH += (check_validation,)
 
 def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
     """--parallelism.pp: the stage split, the schedule's microbatches, and what pipelining does not combine with."""
-    from .parallel.pipeline import LOOPED, SPLIT_BACKWARD, default_microbatches, min_microbatches, split_layers, stages_per_rank
-    from .pipelining import TRACED_MODES
+    from .parallel.pipeline import LOOPED, SPLIT_BACKWARD, min_microbatches, split_layers, stages_per_rank
+    from .pipelining import TRACED_MODES, microbatches_of
 
     p, t = cfg.parallelism, cfg.training
     if p.pp == 1:
@@ -434,7 +434,7 @@ def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
         raise ConfigError(f"--parallelism.pp {p.pp}: {e}") from None
     if p.pp_microbatches < 0:
         raise ConfigError(f"parallelism.pp_microbatches must be >= 0 (0: one per stage), got {p.pp_microbatches}")
-    micro = p.pp_microbatches or default_microbatches(p.pp, per_rank)
+    micro = microbatches_of(cfg)
     least = min_microbatches(p.pp_schedule, p.pp)
     if micro < least:
         raise ConfigError(f"--parallelism.pp_schedule {p.pp_schedule} needs at least {least} microbatches (one per pp rank), "
