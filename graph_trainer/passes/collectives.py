@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ..graph_dump import is_collective
 from .bucketing_compat import ALL_GATHER, REDUCE_SCATTER, WAIT, ancestors, is_fsdp_all_gather, is_fsdp_reduce_scatter
 
 aten = torch.ops.aten
@@ -56,7 +57,7 @@ def _holds_collective(chain: list[fx.Node]) -> bool:
     gathered, or its gradient reduced, over two mesh dims in a row). Only the collective nearest
     the parameter (all-gather) or the output (reduce-scatter) is scheduled: moving one would move
     the other, which its own bucket moves too."""
-    return any(getattr(n.target, "namespace", None) == "_c10d_functional" for n in chain)
+    return any(is_collective(n) for n in chain)
 
 
 def _descendants_to_output(node: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:

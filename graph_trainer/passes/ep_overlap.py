@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import fx
 
 from ..blocks import node_block
+from ..graph_dump import is_collective
 from ..parallel.expert_parallel import CHUNK_KEY
 from ..parallel.links import all_to_all_twins
 from ..step_watchdog import group_timeout
@@ -110,8 +111,8 @@ def _own_communicator(gm: fx.GraphModule, ctx: PassContext) -> int:
     """Move the all-to-alls to a twin of their group where another collective uses that group."""
     a2a = gm.graph.find_nodes(op="call_function", target=ALL_TO_ALL)
     groups = {n.args[3] for n in a2a}
-    shared = {n.args[-1] for n in gm.graph.nodes if n.op == "call_function" and n.target is not ALL_TO_ALL
-              and getattr(n.target, "namespace", None) == "_c10d_functional" and n.target is not WAIT} & groups
+    shared = {n.args[-1] for n in gm.graph.nodes if n.op == "call_function" and n.target not in (ALL_TO_ALL, WAIT)
+              and is_collective(n)} & groups
     if not shared or ctx.meshes is None or not dist.is_initialized():
         return 0
     twins = all_to_all_twins(ctx.meshes, group_timeout(ctx.cfg.comm.timeout_seconds))
