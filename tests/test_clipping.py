@@ -8,6 +8,7 @@ The ranks run this file under torchrun (`python -m torch.distributed.run ... tes
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -74,5 +75,7 @@ def test_equals_torchtitans_clip_bit_for_bit_on_two_ranks():
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    print(f"rank{dist.get_rank()}:{_check_every_case()}", flush=True)
+    # one write per rank: both ranks share the pipe, and print's separate newline write can interleave
+    sys.stdout.write(f"rank{dist.get_rank()}:{_check_every_case()}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
