@@ -141,6 +141,25 @@ def _exposed_prediction_table(results: list[dict]) -> list[str]:
     return lines
 
 
+def _compile_table(results: list[dict]) -> list[str]:
+    """Where the time to the first step went, for runs that compiled with full Inductor: the compile cache's outcome
+    (a restart loads what the cold run stored) and how many distinct blocks Inductor compiled for how many layers."""
+    rows = [r for r in results if r.get("compile_cache") or r.get("compiled_blocks")]
+    if not rows:
+        return []
+    lines = ["", "Time to the first step of the full-Inductor runs (the first step's record in metrics.jsonl):", "",
+             "| group | run | compile cache | blocks compiled / layers | Inductor compile (or cache load) s | first step s | "
+             "launch to step 1 s |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        blocks = f"{r['compiled_blocks']} / {r['layers']}" if r.get("compiled_blocks") else "-"
+        lines.append(f"| {r['group']} | {r['name']} | {r.get('compile_cache', '-')} | {blocks} | "
+                     f"{_fmt(r, 'pass_full_inductor_compilation_s', '.1f')} | {_fmt(r, 'time_to_first_step_s', '.1f')} | "
+                     f"{_fmt(r, 'launch_to_first_step_s', '.1f')} |")
+    titans = [r for r in results if r["trainer"] == "titan" and r.get("launch_to_first_step_s")]
+    lines += [f"| {r['group']} | {r['name']} | - | - | - | - | {r['launch_to_first_step_s']:.1f} |" for r in titans]
+    return lines
+
+
 def _top_kernels(results: list[dict]) -> list[str]:
     lines = []
     for r in results:
@@ -176,7 +195,7 @@ def write_report(results: list[dict], suite: str, out: Path, device: str, comman
     lines = [f"# {suite} on {device}", "", "Made by:", "", *[f"    {c}" for c in commands], "", SPEC_PEAK_NOTE,
              "Exposed comm %: collective kernel time no compute kernel overlaps, over the step's kernel span, from the "
              "profiled step's trace (bench/kernel_mix.py).", "", *_runs_table(results)]
-    lines += _solver_table(results) + _projected_table(results) + _exposed_prediction_table(results)
+    lines += _compile_table(results) + _solver_table(results) + _projected_table(results) + _exposed_prediction_table(results)
     lines += _top_kernels(results) + _kernel_mix_tables(results)
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     _plot(results, stem)

@@ -58,6 +58,12 @@ def _start_from_args(run: Run, runs_dir: Path) -> list[str]:
     return weights if run.trainer == "gt" else ["--checkpoint.enable", "--checkpoint.load_only", *weights]
 
 
+def _warm_from_args(run: Run, runs_dir: Path) -> list[str]:
+    if not run.warm_from:
+        return []
+    return ["--compile.cache_dir", str(dump_folder(runs_dir, run.group, run.warm_from) / "compile_cache")]
+
+
 def command(run: Run, runs_dir: Path) -> list[str]:
     dump = dump_folder(runs_dir, run.group, run.name)
     launcher = torchrun(run.nproc) if run.torchrun else [sys.executable]
@@ -65,7 +71,8 @@ def command(run: Run, runs_dir: Path) -> list[str]:
         # every torchtitan rank logs its steps: each line tagged with its rank, so rank 0's are the ones read
         launcher += ["--role", "rank", "--tee", "3"]
     module = ["-m", "graph_trainer", "train"] if run.trainer == "gt" else ["-m", "torchtitan.train"]
-    return launcher + module + ["--job.dump_folder", str(dump), *run.args, *_profiling_args(run), *_start_from_args(run, runs_dir)]
+    return launcher + module + ["--job.dump_folder", str(dump), *run.args, *_profiling_args(run), *_start_from_args(run, runs_dir),
+                                    *_warm_from_args(run, runs_dir)]
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -166,7 +173,8 @@ def summarize(run: Run, found: list[dict], wall_s: float, rc: int, tail: str) ->
         out["reserved_memory_gib"] = max(reserved)
     # the memory policy's choice (saved / recomputed / offloaded activations), where one ran, and the first step's
     # time by phase and graph pass
-    out.update({k: v for k, v in found[0].items() if k.startswith(("ac_", "pass_")) or k in ("trace_s", "compile_s")})
+    out.update({k: v for k, v in found[0].items() if k.startswith(("ac_", "pass_", "compile_cache"))
+                or k in ("trace_s", "compile_s", "compiled_blocks", "block_pieces", "layers")})
     return out
 
 

@@ -37,6 +37,10 @@ class Run:
     start_from: str = ""
     """Name of an earlier run of the group that wrote a Hugging Face checkpoint (--checkpoint.last_save_in_hf):
     this run starts from those weights."""
+    warm_from: str = ""
+    """Name of an earlier graph-trainer run of the group: this run is that job started again, loading the compiled step
+    from that run's compile cache (`--compile.cache_dir`) with Inductor's and Triton's own caches empty, as a restart
+    on another node would."""
 
 
 def steps_of(run: Run) -> int:

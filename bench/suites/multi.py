@@ -11,7 +11,7 @@ data-parallel degree; torchtitan's `--training.local_batch_size` is the per-rank
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from runs import FULL, FX, TRACE, Run, gt, titan
 
@@ -108,6 +108,8 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
         theirs("titan compile", c.group, ["--compile.enable"], profile=True),
         ours("gt eager", c.group, ["--compile.mode", "eager"]),
         ours("gt aot_fx_trace full", c.group, FULL, profile=True),
+        # the same job started again: its time to first step with the compile cache the cold run filled
+        replace(ours("gt full restart", c.group, FULL), warm_from="gt aot_fx_trace full"),
         *overlapped,
         theirs("titan compile", auto, ["--compile.enable"]),
         ours("gt full auto-placed", auto, FULL + ["--compile.autoparallel"], profile=True),
