@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 from report import write_report
-from runner import command, run_suite
+from runner import against_reference, command, run_suite
 from runs import tiny
 from suites import GPU_COUNTS, SUITES
 
@@ -102,6 +102,12 @@ def main() -> int:
         fail(f"--merge: results from another device than {device}; merge only results of this machine kind")
     # a later part that ran a run again replaces the earlier result of that run
     results = list({(r["group"], r["name"]): r for e in earlier for r in e["results"]}.values())
+    # merged results are judged again by the suite's current references and bounds (the measurements stay as they were)
+    defined = {(r.group, r.name): r for r in SUITES[a.suite](a.steps, gpus)}
+    for result in results:
+        run = defined.get((result["group"], result["name"]))
+        if run is not None and run.bitwise_with:
+            result.update(against_reference(run, result, results))
     commands = [c for e in earlier for c in e.get("commands", [e.get("command", "")])]
     commands.append(" ".join(["python", *sys.argv]))
     # the configs of a suite by GPU count differ: one report each

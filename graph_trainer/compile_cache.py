@@ -57,8 +57,9 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
-from .passes.compat import CompiledArtifact, FakeTensorMode, ShapeEnv, cpu_vector_isa, triton_version
+from .passes.compat import CompiledArtifact, FakeTensorMode, ShapeEnv, cpu_vector_isa, detect_fake_mode, triton_version
 
 logger = logging.getLogger("graph_trainer")
 
@@ -148,12 +149,18 @@ def cache_key(gm: fx.GraphModule, inputs: list[Any], options: dict | None, devic
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest(), parts
 
 
-def cacheable_inputs(inputs: list[Any]) -> list[Any]:
-    """Fakes of `inputs` in a fake mode with a ShapeEnv and static shapes (see the module docstring)."""
+def cacheable_inputs(inputs: list[Any]) -> list[Any] | None:
+    """Fakes of `inputs` in a fake mode with a ShapeEnv and static shapes (see the module docstring), tensors
+    inside containers too; None where a fake tensor of another mode is left among them (held by an object
+    that is no tensor nor container), which the compile cannot be given beside the new ones."""
     mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
     with mode:
-        return [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-                if isinstance(x, torch.Tensor) else x for x in inputs]
+        fresh = pytree.tree_map_only(torch.Tensor, lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
+                                                                                 device=x.device), inputs)
+    try:
+        return fresh if detect_fake_mode(fresh) is mode else None
+    except AssertionError:
+        return None
 
 
 class Refused(Exception):

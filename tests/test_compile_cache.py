@@ -13,12 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from helpers import cached_run, grad_norms, launch, losses, read_metrics
 
 from graph_trainer import cli
-from graph_trainer.compile_cache import CompileCache, cache_key
+from graph_trainer.compile_cache import CompileCache, cache_key, cacheable_inputs
 from graph_trainer.passes.inductor import _compile_whole, inductor_decomposition
 from graph_trainer.passes.registry import PassContext
 
@@ -120,6 +122,18 @@ def test_key_changes_with_the_mesh_graph_inputs_and_options():
         key(vals=[fakes[0], fakes[1].t().contiguous().t()]),  # same shape, other strides
     ]
     assert len({key(), *changed}) == len(changed) + 1
+
+
+def test_cacheable_inputs_move_every_fake_tensor_into_one_mode():
+    """Inputs that hold fake tensors in a container (a traced value of several tensors) are converted too: one left in
+    the tracing mode beside the converted ones made the compile fail on a mode mismatch (DeepSeek V3 16B, flex
+    attention, 2 x H100), with the cache on or off."""
+    tracing_mode = FakeTensorMode()
+    with tracing_mode:
+        a, b = torch.empty(3, 4), torch.empty(2, dtype=torch.int32)
+    fresh = cacheable_inputs([a, (b, 3), 5])
+    assert detect_fake_mode(fresh) is not tracing_mode
+    assert fresh[1][0].shape == (2,) and fresh[1][0].dtype == torch.int32 and fresh[1][1:] == (3,) and fresh[2] == 5
 
 
 def test_a_truncated_entry_is_one_warning_and_a_fresh_compile(tmp_path, caplog):

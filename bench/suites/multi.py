@@ -123,11 +123,15 @@ def suite_multi(steps: int, gpus: int) -> list[Run]:
 
 
 SAME_WEIGHTS_STEPS = 100
-LOSS_BOUND = (5e-3, 2e-2)
+LOSS_BOUND = (0.025, 0.15)
 """Mean and max |loss difference| over the 100-step curves of two trainers from the same weights and tokens (bf16
-compute, fp32 reduction; the loss is about 11.8, so 0.04% and 0.17% of it): their kernels and reduction orders
-differ from the first step on. The report also gives the same figures for torchtitan compile against its own eager,
-the spread one trainer's two modes show."""
+compute, fp32 reduction; the loss is about 11.9 after step 2, so 0.2% and 1.3% of it): their kernels and reduction
+orders differ from the first step on, and the curves drift apart as any two bf16 runs do. The bound is torchtitan's own
+spread, measured on 2 x H100 (bench/results/2026-11-27-numerics.md): its compile against its eager, from the same
+weights, mean 0.019 and max 0.106, with a third of that again as margin. The first bound (0.005, 0.02) was set before
+any measurement; torchtitan missed it against itself by 4-5x. A wrong gradient shows at once: the step-1 losses of the
+two trainers' eager runs differ by 3.4e-6 (the same weights), and the step-2 losses, after one update, by 3e-5. The report
+gives the same figures for torchtitan compile against its own eager."""
 
 
 def suite_numerics(steps: int, gpus: int) -> list[Run]:

@@ -36,7 +36,7 @@ from torch import fx
 from ..parallel.compat import is_fake_process_group
 from .bucket_merge import emit
 from .bucketing_compat import ALL_GATHER, REDUCE_SCATTER, WAIT, ancestors
-from .compat import enable_symmetric_memory
+from .compat import enable_symmetric_memory, symm_mem_ops
 from .gather_group import gathers_parameters
 from .registry import PassContext, PassSpec, register_pass
 
@@ -213,7 +213,7 @@ def _chunked_gather(graph: fx.Graph, site: GatherSite) -> tuple[fx.Node, list[fx
 
 def _symm_mem_gather(graph: fx.Graph, site: GatherSite) -> tuple[fx.Node, list[fx.Node]]:
     x, _, group = site.start.args
-    fused = emit(graph, torch.ops.symm_mem.fused_all_gather_matmul.default, x, [mm.args[1] for mm in site.matmuls],
+    fused = emit(graph, symm_mem_ops().fused_all_gather_matmul.default, x, [mm.args[1] for mm in site.matmuls],
                  site.dim, group)
     outs = emit(graph, operator.getitem, fused, 1)
     # its outputs keep the gathered rows in the order they arrive (gather dim first): the graph's views of
@@ -252,7 +252,7 @@ def _symm_mem_scatter(graph: fx.Graph, site: ScatterSite) -> fx.Node:
     a, b = site.matmul.args
     _, _, _, group = site.start.args
     unflat = emit(graph, aten.view.default, a, [*site.shape[:-1], a.meta["val"].shape[-1]])
-    return emit(graph, torch.ops.symm_mem.fused_matmul_reduce_scatter.default, unflat, b, "sum", site.dim, group)
+    return emit(graph, symm_mem_ops().fused_matmul_reduce_scatter.default, unflat, b, "sum", site.dim, group)
 
 
 def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:

@@ -43,6 +43,15 @@ def enable_symmetric_memory(group_name: str) -> None:
     enable_symm_mem_for_group(group_name)
 
 
+def symm_mem_ops():
+    """`torch.ops.symm_mem`, with the fused async-TP ops in it: torch defines them when
+    torch.distributed._symmetric_memory is imported, which nothing else here may have done (torch 2.11
+    and 2.13: without it, `fused_matmul_reduce_scatter` is no attribute of the namespace)."""
+    import torch.distributed._symmetric_memory  # noqa: F401
+
+    return torch.ops.symm_mem
+
+
 def cpu_vector_isa() -> str:
     """The vector instruction set Inductor writes C++ kernels for on this CPU (e.g. "avx512")."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
@@ -67,6 +76,7 @@ __all__ = [
     "cpu_vector_isa",
     "enable_symmetric_memory",
     "select_decomp_table",
+    "symm_mem_ops",
     "standalone_compile",
     "tracing",
     "triton_version",

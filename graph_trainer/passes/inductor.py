@@ -190,7 +190,12 @@ def _compile_whole(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
             outcome = f"refused ({e})"
     written = 0
     if compiled is None:
-        inputs = compile_cache.cacheable_inputs(inputs)
+        cacheable = compile_cache.cacheable_inputs(inputs)
+        if cacheable is None and cache is not None:
+            logger.warning("compile cache: the graph's inputs hold fake tensors it cannot give a cacheable fake mode; "
+                           "compiling without the cache")
+            outcome, cache = "refused (inputs not cacheable)", None
+        inputs = cacheable if cacheable is not None else inputs
         # Under no_grad AOTAutograd inside Inductor compiles an inference graph: the backward is already in it.
         # The fake mode comes from the inputs: "from_graph" reads it off the outputs, which fails on an
         # AOTAutograd backward graph whose outputs include None (inputs without a gradient).
