@@ -108,3 +108,35 @@ def test_llama3_with_per_block_buckets_compiles_the_same_pieces_at_6_and_8_layer
         assert crossing, "no piece both waits for a collective issued before it and issues one waited after it"
         compiled.clear()
     assert counts == {6: (8, 13), 8: (8, 17)}
+
+
+def _ops(gm: fx.GraphModule) -> list:
+    return [(n.op, str(n.target), (n.meta.get("custom") or {}), n.meta.get("stack_trace")) for n in gm.graph.nodes]
+
+
+def test_decomposing_each_distinct_piece_once_gives_the_whole_decomposition(monkeypatch):
+    """The 8-block step (5 distinct pieces of 16) decomposed piece by piece: the same ops in the same order, each with
+    its own block's marks and source, computing the same values bit for bit."""
+    gm, ctx, real = deep_step(8)
+    whole = inductor._decompose(gm, ctx)
+    calls = []
+    decompose = inductor._decompose
+    monkeypatch.setattr(inductor, "_decompose", lambda piece, ctx: calls.append(piece) or decompose(piece, ctx))
+    pieces = inductor.inductor_decomposition(gm, ctx)
+    assert len(calls) == 5
+    assert _ops(pieces) == _ops(whole)
+    assert [s.block for s in block_starts(pieces)] == [s.block for s in block_starts(whole)] == [*range(8), *reversed(range(8))]
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(whole(*real), pieces(*real)))
+
+
+def test_llama3_decomposed_by_piece_equals_the_whole_decomposition_where_collectives_cross_pieces(fake_pg, monkeypatch):
+    """12 blocks, 8 distinct pieces (see above): prefetched all-gathers issued in one piece and waited in the next."""
+    gm, ctx = trace_llama("--model.n_layers", "12")
+    gm = apply_passes(gm, ["transformer_block_bucketing"], ctx, "train_step")
+    whole = inductor._decompose(gm, ctx)
+    calls = []
+    decompose = inductor._decompose
+    monkeypatch.setattr(inductor, "_decompose", lambda piece, ctx: calls.append(piece) or decompose(piece, ctx))
+    assert _ops(inductor.inductor_decomposition(gm, ctx)) == _ops(whole)
+    assert len(calls) == 8

@@ -6,7 +6,8 @@ dynamic_shapes, options, aot)` has those keywords in both (2.13 adds more, unuse
 dynamic_shapes="from_tracing_context", aot=True)` in both; `_use_cuda_memory_pool_manager(device,
 pool, stream)` is the same context manager in both. For the compile cache: `CompiledArtifact.save(*, path,
 format)` / `CompiledArtifact.load(*, path, format)`, `torch._inductor.config.get_hash()` and
-`cpu_vec_isa.pick_vec_isa()` are the same in both.
+`cpu_vec_isa.pick_vec_isa()` are the same in both. `_LazyGraphModule` (a GraphModule that writes its
+Python code when first called) is in both.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ try:
     from torch._inductor import CompiledArtifact, standalone_compile
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.fx.passes.regional_inductor import regional_inductor
 except ImportError as e:  # pragma: no cover  (only on a torch outside the supported range)
@@ -69,6 +71,7 @@ def triton_version() -> str:
 __all__ = [
     "CompiledArtifact",
     "FakeTensorMode",
+    "LazyGraphModule",
     "ShapeEnv",
     "TracingContext",
     "detect_fake_mode",

@@ -19,7 +19,7 @@ from .. import compile_cache
 from ..graph_dump import is_collective
 from ..blocks import block_count
 from ..regions import REGION_KEY
-from .block_compile import plan_pieces
+from .block_compile import PiecePlan, decompose_pieces, plan_pieces
 from .compat import (
     FakeTensorMode,
     TracingContext,
@@ -46,7 +46,15 @@ def fake_inputs(gm: fx.GraphModule, ctx: PassContext) -> list[Any]:
 
 def inductor_decomposition(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Retrace the graph through Inductor's decomposition table, keeping each node's metadata (region
-    marks, seq_nr, stack traces) on the ops it decomposes into."""
+    marks, seq_nr, stack traces) on the ops it decomposes into; a train step whose blocks the full
+    compile reuses is decomposed one distinct piece at a time (block_compile.decompose_pieces)."""
+    plan = _reusable_plan(gm, ctx)
+    if plan is not None:
+        return decompose_pieces(gm, plan, lambda piece: _decompose(piece, ctx))
+    return _decompose(gm, ctx)
+
+
+def _decompose(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     inputs = fake_inputs(gm, ctx)
     mode = detect_fake_mode(inputs)
     with mode, fx_traceback.preserve_node_meta():
@@ -144,14 +152,22 @@ def _compile_train_step(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
     Reports `compiled_blocks` (graphs Inductor compiled), `block_pieces` (graphs a step runs) and `layers`."""
     if ctx.stage != "train_step":
         return _compile_whole(gm, ctx)
-    layers = block_count(gm)
     report = ctx.report.setdefault("full_inductor_compilation", {})
-    report.update(compiled_blocks=1, block_pieces=1, layers=layers)
-    plan = plan_pieces(gm) if ctx.cfg is None or ctx.cfg.compile.block_reuse else None
-    if plan is None or layers <= len(plan.groups):
+    report.update(compiled_blocks=1, block_pieces=1, layers=block_count(gm))
+    plan = _reusable_plan(gm, ctx)
+    if plan is None:
         return _compile_whole(gm, ctx)
     report.update(compiled_blocks=len(plan.groups), block_pieces=len(plan.pieces))
     return Compiled(plan.compile(ctx, _compile_whole), gm)
+
+
+def _reusable_plan(gm: fx.GraphModule, ctx: PassContext) -> PiecePlan | None:
+    """The pieces of a train step whose blocks are compiled once each (more blocks than distinct pieces,
+    `--compile.block_reuse` on); None where the graph is compiled whole."""
+    if ctx.stage != "train_step" or not (ctx.cfg is None or ctx.cfg.compile.block_reuse):
+        return None
+    plan = plan_pieces(gm)
+    return plan if plan is not None and block_count(gm) > len(plan.groups) else None
 
 
 KEEP_TRAIN_STEP_ORDER = {"reorder_for_locality": False, "reorder_for_peak_memory": False}
