@@ -324,9 +324,10 @@ def decompose_pieces(gm: fx.GraphModule, plan: PiecePlan, decompose: Callable[[f
                 continue
             if node.op == "get_attr":
                 # the decomposition's own attributes (subgraphs, lifted constants), one copy per group
-                name = attributes.setdefault((index, node.target), f"_piece{index}_{node.target}")
-                setattr(gm, name, getattr(result, node.target))
-                values[node] = graph.get_attr(name)
+                if (index, node.target) not in attributes:
+                    attributes[index, node.target] = f"_piece{index}_{node.target}"
+                    setattr(gm, attributes[index, node.target], getattr(result, node.target))
+                values[node] = graph.get_attr(attributes[index, node.target])
                 values[node].meta = dict(node.meta)
                 continue
             values[node] = graph.node_copy(node, values.__getitem__)
