@@ -15,6 +15,9 @@ pieces of llama3's middle blocks are the same; the first and last blocks' differ
 loss around them, prefetches that start or stop), so the number of compiles stays constant as the
 model gets deeper.
 
+Inductor's decomposition before the compile is done the same way (`decompose_pieces`): each distinct
+piece is decomposed once and copied, in graph order, for the pieces of its structure.
+
 Memory: a value is held between pieces only until the piece that reads it last starts; that piece
 gets it in a list it clears (the boxed convention of Inductor's compiled code), so the compiled code
 frees it at its last use, where the whole-graph compile frees it. The one exception: the input of a
@@ -33,8 +36,8 @@ from torch import fx
 
 from ..blocks import BlockStart, block_starts
 from ..graph_dump import is_collective
-from .compat import LazyGraphModule
 from .bucketing_compat import WAIT
+from .compat import LazyGraphModule
 from .registry import Compiled, PassContext
 
 
@@ -334,4 +337,3 @@ def decompose_pieces(gm: fx.GraphModule, plan: PiecePlan, decompose: Callable[[f
             _own_meta(values[node], sources)
     graph.output(fx.node.map_aggregate(plan.result, lambda s: env[s.index] if isinstance(s, _Slot) else s))
     return fx.GraphModule(gm, graph)
-
