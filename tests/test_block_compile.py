@@ -140,3 +140,17 @@ def test_llama3_decomposed_by_piece_equals_the_whole_decomposition_where_collect
     monkeypatch.setattr(inductor, "_decompose", lambda piece, ctx: calls.append(piece) or decompose(piece, ctx))
     assert _ops(inductor.inductor_decomposition(gm, ctx)) == _ops(whole)
     assert len(calls) == 8
+
+
+def test_a_graph_with_subgraphs_is_decomposed_whole(monkeypatch):
+    """FlexAttention's score and mask functions are subgraphs of the step: such a graph keeps the whole decomposition
+    (the pieces' copies of subgraphs have not run on a GPU)."""
+    gm, ctx, _ = deep_step(8)
+    gm.score_fn = fx.symbolic_trace(lambda x: x + 1)
+    with gm.graph.inserting_before(next(iter(gm.graph.find_nodes(op="output")))):
+        gm.graph.get_attr("score_fn")
+    calls = []
+    decompose = inductor._decompose
+    monkeypatch.setattr(inductor, "_decompose", lambda graph, ctx: calls.append(graph) or decompose(graph, ctx))
+    inductor.inductor_decomposition(gm, ctx)
+    assert calls == [gm]

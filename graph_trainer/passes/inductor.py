@@ -48,7 +48,10 @@ def inductor_decomposition(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     """Retrace the graph through Inductor's decomposition table, keeping each node's metadata (region
     marks, seq_nr, stack traces) on the ops it decomposes into; a train step whose blocks the full
     compile reuses is decomposed one distinct piece at a time (block_compile.decompose_pieces)."""
-    plan = _reusable_plan(gm, ctx)
+    # A graph with subgraphs (FlexAttention's score and mask functions) is decomposed whole: their copies in
+    # the pieces' decompositions have not run on a GPU (no FlexAttention backward on CPU).
+    subgraphs = any(isinstance(getattr(gm, n.target), fx.GraphModule) for n in gm.graph.find_nodes(op="get_attr"))
+    plan = None if subgraphs else _reusable_plan(gm, ctx)
     if plan is not None:
         return decompose_pieces(gm, plan, lambda piece: _decompose(piece, ctx))
     return _decompose(gm, ctx)
