@@ -94,7 +94,9 @@ def _is_constant(gm: fx.GraphModule, node: fx.Node) -> bool:
     return node.op == "get_attr" and isinstance(getattr(gm, node.target), torch.Tensor)
 
 
-def _is_subgraph(gm: fx.GraphModule, node: fx.Node) -> bool:
+def is_subgraph(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """An attribute the graph reads that is no tensor: a subgraph a higher-order op calls (FlexAttention's
+    score and mask functions)."""
     return node.op == "get_attr" and not _is_constant(gm, node)
 
 
@@ -166,12 +168,12 @@ def split(gm: fx.GraphModule, starts: list[BlockStart]) -> tuple[list[Piece], li
     for k, piece in enumerate(nodes):
         inside = set(piece)
         reads = list(dict.fromkeys(a for n in piece for a in n.all_input_nodes if a not in inside))
-        inputs = [a for a in reads if not _is_subgraph(gm, a)]
+        inputs = [a for a in reads if not is_subgraph(gm, a)]
         outputs = [n for n in piece if n in needed_later]
         for n in outputs:
             slot[n] = len(slot)
         graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {a: graph.get_attr(a.target) for a in reads if _is_subgraph(gm, a)}
+        env: dict[fx.Node, fx.Node] = {a: graph.get_attr(a.target) for a in reads if is_subgraph(gm, a)}
         for a in inputs:
             env[a] = graph.placeholder(a.name)
             env[a].meta["val"] = a.meta["val"]

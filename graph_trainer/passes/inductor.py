@@ -19,7 +19,7 @@ from .. import compile_cache
 from ..graph_dump import is_collective
 from ..blocks import block_count
 from ..regions import REGION_KEY
-from .block_compile import PiecePlan, decompose_pieces, plan_pieces
+from .block_compile import PiecePlan, decompose_pieces, is_subgraph, plan_pieces
 from .compat import (
     FakeTensorMode,
     TracingContext,
@@ -50,7 +50,7 @@ def inductor_decomposition(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     compile reuses is decomposed one distinct piece at a time (block_compile.decompose_pieces)."""
     # A graph with subgraphs (FlexAttention's score and mask functions) is decomposed whole: their copies in
     # the pieces' decompositions have not run on a GPU (no FlexAttention backward on CPU).
-    subgraphs = any(isinstance(getattr(gm, n.target), fx.GraphModule) for n in gm.graph.find_nodes(op="get_attr"))
+    subgraphs = any(is_subgraph(gm, n) for n in gm.graph.find_nodes(op="get_attr"))
     plan = None if subgraphs else _reusable_plan(gm, ctx)
     if plan is not None:
         return decompose_pieces(gm, plan, lambda piece: _decompose(piece, ctx))
