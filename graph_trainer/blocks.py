@@ -25,6 +25,10 @@ from .graph_dump import is_collective
 from .regions import ancestors, annotate_module
 
 BLOCK_KEY = "block"
+UPDATE_KEY = "update"
+"""With the optimizer traced in (capture/optimizer_in_graph.py) each parameter's update is marked with
+the parameter's index: the updates of parameters of one shape are the same ops, so the block-reuse
+compile cuts there too and compiles them once per shape, not once per parameter."""
 
 Phase = Literal["forward", "backward"]
 
@@ -102,3 +106,13 @@ def block_starts(gm: fx.GraphModule) -> list[BlockStart]:
         if node is loss:
             phase = "backward"
     return [BlockStart(phase, block, node) for (phase, block), node in starts.items()]
+
+
+def update_starts(gm: fx.GraphModule) -> list[fx.Node]:
+    """The first op of each parameter's update traced into the step, in graph order."""
+    starts: dict[int, fx.Node] = {}
+    for node in gm.graph.nodes:
+        index = (node.meta.get("custom") or {}).get(UPDATE_KEY)
+        if index is not None:
+            starts.setdefault(index, node)
+    return list(starts.values())

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+from torch.fx.traceback import annotate
 
+from ..blocks import UPDATE_KEY
 from ..clipping import clip_coefficient, total_norm
 from ..train_step import FunctionalTrainStep
 from .fx_trace import TracedStep
@@ -106,8 +108,9 @@ class ClipAndAdamWStep:
             scalars = step_scalars(lr, step, {p.dtype for p in params}, self.hyper)
             for i in sorted(range(n), key=lambda i: (params[i].numel() * params[i].element_size(), i)):
                 targets = (params[i], exp_avgs[i], exp_avg_sqs[i])
-                for target, value in zip(targets, adamw_update(params[i], grads[i] * coef, *targets[1:], scalars, self.hyper)):
-                    target.copy_(value)
+                with annotate({UPDATE_KEY: i}):
+                    for target, value in zip(targets, adamw_update(params[i], grads[i] * coef, *targets[1:], scalars, self.hyper)):
+                        target.copy_(value)
         return loss, [grad_norm]
 
 
