@@ -161,8 +161,9 @@ class Compile:
     kind, mesh and Inductor options, so the next start of the same job loads it instead of compiling (also on every rank);
     auto = <job.dump_folder>/compile_cache; off (or empty) compiles every time. `graph-trainer precompile` fills it."""
     block_reuse: bool = True
-    """Full Inductor on the aot_fx_trace step: compile each distinct transformer block once and reuse it, when the model
-    has more blocks than distinct pieces (false: compile the whole step as one graph)."""
+    """Full Inductor on the aot_fx_trace step: cut it at every block, communication run and in-graph parameter update,
+    and compile each distinct piece once, when the distinct pieces hold at most half the step's ops (false: compile
+    the whole step as one graph)."""
 
 
 @dataclass
