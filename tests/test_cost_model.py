@@ -421,3 +421,13 @@ def test_collectives_the_planners_do_not_move_are_communication_not_compute(fake
     mul.prepend(wait)
     overlapped = planned_step(gm, model)
     assert overlapped.compute_s == blocking.compute_s and overlapped.exposed_comm_s == 0.0
+
+
+def test_the_link_probe_fit_recovers_the_ring_model_the_cost_model_prices_with():
+    """parallel/links.fit inverts hardware.ring_collective_s for the probe's two all-gather sizes."""
+    from graph_trainer.parallel import links
+
+    for ranks, bandwidth, latency in ((2, 340e9, 6e-6), (4, 160e9, 12e-6), (8, 40e9, 20e-6)):
+        small_s, large_s = (hardware.ring_collective_s("all_gather", n, ranks, bandwidth, latency) for n in links.PROBE_BYTES)
+        found = links.fit(ranks, small_s, large_s)
+        assert found.bytes_per_s == pytest.approx(bandwidth, rel=1e-9) and found.latency_s == pytest.approx(latency, rel=1e-6)

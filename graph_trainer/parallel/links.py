@@ -5,7 +5,7 @@
   beside the reduce-scatters (passes/gather_group.py). `all_to_all_twins`: a third one, for the expert
   all-to-alls of passes/ep_overlap.py.
 - `probe`: the bandwidth and latency of each mesh dimension's link, timed once at start-up with
-  all-gathers of two sizes and fitted to the ring model the cost model prices collectives with
+  all-gathers of two sizes (the median call of each) and fitted to the ring model the cost model prices collectives with
   (hardware.ring_collective_s: `steps * latency + (ranks - 1) / ranks * bytes / bandwidth`). Every
   rank takes the slowest rank's times (an all-reduce of the timings), so every rank derives the same
   schedule from the same graph: ranks that planned differently would deadlock.
@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import statistics
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -101,24 +102,35 @@ def twin_of(group_name: str) -> str | None:
 PROBE_BYTES = (1 << 20, 64 << 20)
 """Gathered sizes timed: the small one is latency-bound, the large one bandwidth-bound on NVLink."""
 PROBE_REPEATS = (50, 10)
-"""Calls timed per size, back to back: enough that a rank arriving late at the first one (after the
-barrier) and Python's launch cost are a small share of the time."""
+"""Calls timed per size, back to back, each on its own: the median call is the link's, not a rank that
+arrived late at one of them (the 8B runs of 2026-11-27 measured 159-348 GB/s on the same NVLink when
+the calls were timed as one span)."""
 
 
 def _time_all_gather(group, ranks: int, nbytes: int, repeats: int, device: torch.device) -> float:
+    """The median of `repeats` all-gathers' times on this rank's stream."""
     shard = torch.empty(nbytes // ranks // 2, dtype=torch.bfloat16, device=device)
     out = torch.empty(shard.numel() * ranks, dtype=shard.dtype, device=device)
     for _ in range(3):
         dist.all_gather_into_tensor(out, shard, group=group)
     dist.barrier(group=group)
     torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+    events[0].record()
+    for event in events[1:]:
         dist.all_gather_into_tensor(out, shard, group=group)
-    end.record()
+        event.record()
     torch.cuda.synchronize(device)
-    return start.elapsed_time(end) / 1e3 / repeats
+    return statistics.median(a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:]))
+
+
+def fit(ranks: int, small_s: float, large_s: float) -> Measured:
+    """Bandwidth and latency per ring step from the times of the two probe sizes (hardware.ring_collective_s's
+    model: `steps * latency + (ranks - 1) / ranks * bytes / bandwidth`)."""
+    small, large = PROBE_BYTES
+    share = (ranks - 1) / ranks
+    bandwidth = share * (large - small) / max(large_s - small_s, 1e-9)
+    return Measured(bandwidth, max(small_s - share * small / bandwidth, 0.0) / (ranks - 1))
 
 
 def probe(meshes, device: torch.device) -> dict[str, Measured]:
@@ -136,14 +148,10 @@ def probe(meshes, device: torch.device) -> dict[str, Measured]:
     times = torch.tensor([[_time_all_gather(_resolve_process_group(name), len(groups[0]), n, k, device)
                            for n, k in zip(PROBE_BYTES, PROBE_REPEATS)] for name, groups in dims], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    (small, large) = PROBE_BYTES
     for (name, groups), (t_small, t_large) in zip(dims, times.tolist()):
-        ranks = len(groups[0])
-        share = (ranks - 1) / ranks
-        bandwidth = share * (large - small) / max(t_large - t_small, 1e-9)
-        latency = max(t_small - share * small / bandwidth, 0.0) / (ranks - 1)
-        measured[name] = Measured(bandwidth, latency)
-        logger.info(f"link of {ranks} ranks ({name}): {bandwidth / 1e9:.0f} GB/s, {latency * 1e6:.1f} us per ring step (measured)")
+        measured[name] = found = fit(len(groups[0]), t_small, t_large)
+        logger.info(f"link of {len(groups[0])} ranks ({name}): {found.bytes_per_s / 1e9:.0f} GB/s, "
+                    f"{found.latency_s * 1e6:.1f} us per ring step (measured)")
     return measured
 
 
