@@ -149,12 +149,13 @@ def _communication_runs(gm: fx.GraphModule) -> set[fx.Node]:
 
 def cut(gm: fx.GraphModule, starts: list[BlockStart]) -> list[list[fx.Node]]:
     """The graph's ops in pieces, cut before each block phase's first op, before each parameter's update
-    traced in (`blocks.UPDATE_KEY`) and around each communication run (`_communication_runs`). Which collectives a block issues and waits differs at the ends of each
-    phase (no block left to prefetch, the first block's gather issued by the prologue, the loss's
-    parameters): in pieces of their own, they leave the blocks' compute the same from the first block
-    to the last, and the pieces that hold only communication are cheap to compile. A `getitem` stays
-    with the op whose multiple outputs it takes (a piece's outputs are tensors); attributes are in no
-    piece (a constant is an input of each piece that reads it, a subgraph is copied into it)."""
+    traced in (`blocks.UPDATE_KEY`) and around each communication run (`_communication_runs`). Which
+    collectives a block issues and waits for differs at the ends of each phase (no block left to
+    prefetch, the first block's gather issued by the prologue, the loss's parameters): in pieces of
+    their own, they leave the blocks' compute the same from the first block to the last, and the
+    pieces that hold only communication are cheap to compile. A `getitem` stays with the op whose
+    multiple outputs it takes (a piece's outputs are tensors); attributes are in no piece (a constant
+    is an input of each piece that reads it, a subgraph is copied into it)."""
     boundaries = {s.node for s in starts} | set(update_starts(gm))
     runs = _communication_runs(gm)
     pieces: list[list[fx.Node]] = [[]]
