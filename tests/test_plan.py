@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.helpers import child_env, grad_norms, launch, losses, run_train
+from tests.helpers import cached_train, child_env, grad_norms, launch, losses, run_train
 
 STEPS = 10
 COMMON = ["--training.steps", str(STEPS), "--metrics.progress_bar", "false", "--compile.mode", "aot_fx_trace"]
@@ -84,12 +84,15 @@ def test_plan_70b_on_8x8_fake_ranks_is_fast(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("degrees,nproc", [(["--parallelism.dp_shard", "2"], 2),
-                                           (["--parallelism.dp_shard", "2", "--parallelism.tp", "2"], 4)])
-def test_auto_placed_training_matches_manual(tmp_path, degrees, nproc):
-    manual = run_train([*COMMON, *degrees], tmp_path / "manual", nproc=nproc)
-    auto = run_train([*COMMON, *degrees, "--compile.autoparallel"], tmp_path / "auto", nproc=nproc)
-    assert len(losses(auto)) == STEPS
+def test_auto_placed_training_matches_manual():
+    """dp_shard 2 x tp 2 on 4 ranks (auto-placed dp_shard 2 alone trains in test_autoparallel_backend.py and
+    test_checkpoint.py); the manual run is test_fx_trace's, trained once for both."""
+    from test_fx_trace import args as fx_trace_args
+
+    flags, nproc = fx_trace_args("dp_shard2_tp2", "aot_fx_trace")
+    manual = cached_train(flags, nproc)
+    auto = cached_train((*flags, "--compile.autoparallel"), nproc)
+    assert len(losses(auto)) == len(losses(manual)) == STEPS
     for a, m in zip(losses(auto), losses(manual)):
         assert abs(a - m) <= 1e-5, (losses(auto), losses(manual))
 
