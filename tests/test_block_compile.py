@@ -108,7 +108,7 @@ def test_llama3_with_per_block_buckets_compiles_the_same_pieces_at_6_and_8_layer
                     and any(n.target is ALL_GATHER for n in p.module.graph.output_node().all_input_nodes)]
         assert crossing, "no piece both waits for a collective issued before it and issues one waited after it"
         compiled.clear()
-    assert counts == {6: (16, 33), 8: (16, 41)}
+    assert counts == {6: (15, 33), 8: (15, 41)}  # 16 distinct pieces, one of them views only (run as FX)
     compute = [members for members in plan.groups if not any(is_collective(n) for n in members[0].module.graph.nodes)
                and any(node_block(n) is not None for n in members[0].module.graph.nodes)]
     assert [len(members) for members in compute] == [8, 8], "a block's forward or backward compute differs from the others'"

@@ -254,6 +254,14 @@ def _boxed(compiled: Compiled) -> Callable[[list[Any]], Any]:
     return positional
 
 
+def views_only(module: fx.GraphModule) -> bool:
+    """Every op of `module` is a view of its input (the alias the step returns its loss through, cut off
+    by the wait before it): no kernel to compile, and Inductor's artifact of such a graph is empty, so
+    the compile cache could never store it and every start would count a miss."""
+    return all(n.op != "call_function" or n.target is operator.getitem or getattr(n.target, "is_view", False)
+               for n in module.graph.nodes)
+
+
 class PieceRunner:
     """Runs the pieces in graph order, each with its group's compiled callable."""
 
@@ -286,11 +294,18 @@ class PiecePlan:
     result: Any
     slots: int
 
+    @property
+    def compiled_groups(self) -> list[list[Piece]]:
+        """The groups whose piece computes something (the others run as FX)."""
+        return [members for members in self.groups if not views_only(members[0].module)]
+
     def compile(self, ctx: PassContext, compile_fn: Callable[[fx.GraphModule, PassContext], Compiled]) -> PieceRunner:
-        """Compile each group's first piece with `compile_fn`; the runner calls it for every member."""
+        """Compile each group's first piece with `compile_fn`, or run it as FX where it only takes views
+        (`views_only`); the runner calls it for every member."""
         calls: dict[int, Callable[[list[Any]], Any]] = {}
         for members in self.groups:
-            call = _boxed(compile_fn(members[0].module, ctx))
+            module = members[0].module
+            call = _boxed(Compiled(module, module) if views_only(module) else compile_fn(module, ctx))
             for piece in members:
                 calls[id(piece)] = call
         return PieceRunner([(p, calls[id(p)]) for p in self.pieces], self.constants, self.result, self.slots)

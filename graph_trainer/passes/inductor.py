@@ -160,7 +160,7 @@ def _compile_train_step(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
     plan = _reusable_plan(gm, ctx)
     if plan is None:
         return _compile_whole(gm, ctx)
-    report.update(compiled_blocks=len(plan.groups), block_pieces=len(plan.pieces))
+    report.update(compiled_blocks=len(plan.compiled_groups), block_pieces=len(plan.pieces))
     return Compiled(plan.compile(ctx, _compile_whole), gm)
 
 
