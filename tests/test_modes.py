@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import grad_norms, losses, run_train
+from helpers import cached_run, cached_train, grad_norms, losses, run_train
+from test_fx_trace import BASE as FX_TRACE_BASE
+from test_fx_trace import MESHES as FX_TRACE_MESHES
+from test_fx_trace import args as fx_trace_args
 
 from graph_trainer.capture import CaptureContext, build_step
 from graph_trainer.config import JobConfig
 from graph_trainer.passes.registry import PASSES, PassSpec, register_pass
 from graph_trainer.trainer import GraphTrainer
 
-MODES = ("jit", "aot", "aot_fx_trace")
 SMALL = ["--training.batch_size", "4", "--training.seq_len", "64", "--compile.dump_graphs"]
 
 
@@ -32,6 +34,18 @@ def _train_modes(tmp: Path, modes: tuple[str, ...], args: list[str], nproc: int)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(("eager", *modes), pool.map(one, ("eager", *modes))))
+
+
+def _beside_fx_trace(tmp: Path, mesh: str) -> dict[str, list[dict]]:
+    """jit and aot on test_fx_trace's flags for `mesh`, beside its eager and aot_fx_trace runs (trained once for
+    both files: aot_fx_trace's own parity and graph tests live there)."""
+    nproc, flags = FX_TRACE_MESHES[mesh]
+    jobs = {"eager": lambda: cached_train(*fx_trace_args(mesh, "eager")),
+            "jit": lambda: run_train([*FX_TRACE_BASE, *flags, "--compile.mode", "jit", "--compile.dump_graphs"], tmp / "jit", nproc=nproc),
+            "aot": lambda: run_train([*FX_TRACE_BASE, *flags, "--compile.mode", "aot", "--compile.dump_graphs"], tmp / "aot", nproc=nproc),
+            "aot_fx_trace": lambda: cached_train(*fx_trace_args(mesh, "aot_fx_trace"))}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(jobs, pool.map(lambda job: job(), jobs.values())))
 
 
 def _stages(dump_folder: Path) -> list[dict]:
@@ -47,7 +61,7 @@ def _assert_parity(runs: dict[str, list[dict]], steps: int) -> None:
 
 
 def test_parity_one_rank(tmp_path):
-    runs = _train_modes(tmp_path, MODES, ["--training.steps", "10", *SMALL], nproc=1)
+    runs = _beside_fx_trace(tmp_path, "1rank")
     _assert_parity(runs, 10)
     assert losses(runs["eager"])[-1] < losses(runs["eager"])[0]
     # the parameter policy tags the joint graph (jit dumps it only after that pass)
@@ -61,7 +75,7 @@ def test_parity_one_rank(tmp_path):
 @pytest.fixture(scope="module")
 def dp_shard_2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp_shard_2")
-    return tmp, _train_modes(tmp, MODES, ["--training.steps", "10", "--parallelism.dp_shard", "2", *SMALL], nproc=2)
+    return tmp, _beside_fx_trace(tmp, "dp_shard2")
 
 
 @pytest.mark.slow
@@ -75,7 +89,7 @@ def test_aot_dump_has_fsdp_collectives(dp_shard_2):
     stages = {s["stage"]: s["collectives"] for s in _stages(tmp / "aot")}
     assert list(stages) == ["joint", "joint_reshard_after_forward", "forward", "backward"]
     # One gather and one reduce-scatter per parameter, as in aot_fx_trace's one-graph trace.
-    traced = _stages(tmp / "aot_fx_trace")[0]["collectives"]
+    traced = _stages(cached_run(*fx_trace_args("dp_shard2", "aot_fx_trace")))[0]["collectives"]
     assert stages["forward"]["all_gather"]["count"] == traced["all_gather"]["count"] > 0
     assert stages["backward"]["reduce_scatter"]["count"] == traced["reduce_scatter"]["count"] > 0
     assert "reduce_scatter" not in stages["forward"]
