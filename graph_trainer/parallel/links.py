@@ -5,8 +5,9 @@
   beside the reduce-scatters (passes/gather_group.py). `all_to_all_twins`: a third one, for the expert
   all-to-alls of passes/ep_overlap.py.
 - `probe`: the bandwidth and latency of each mesh dimension's link, timed once at start-up with
-  all-gathers of two sizes (the median call of each) and fitted to the ring model the cost model prices collectives with
-  (hardware.ring_collective_s: `steps * latency + (ranks - 1) / ranks * bytes / bandwidth`). Every
+  all-gathers of two sizes (the median call of each) and fitted to the ring model the cost model
+  prices collectives with (hardware.ring_collective_s: `steps * latency + (ranks - 1) / ranks *
+  bytes / bandwidth`). Every
   rank takes the slowest rank's times (an all-reduce of the timings), so every rank derives the same
   schedule from the same graph: ranks that planned differently would deadlock.
 """
