@@ -78,7 +78,8 @@ def test_a_deeper_model_compiles_the_same_pieces(monkeypatch):
     assert counts == {4: (5, 8), 8: (5, 16)}
 
 
-def test_block_reuse_is_used_when_there_are_more_blocks_than_pieces(monkeypatch):
+def test_block_reuse_is_used_where_the_distinct_pieces_hold_at_most_half_the_ops(monkeypatch):
+    """5 distinct pieces: of 8 pieces at 4 blocks they hold more than half the ops (compiled whole), of 16 at 8 less."""
     compiled = counting_fx_compile(monkeypatch)
     for n_layers, reused in ((4, False), (8, True)):
         gm, ctx, _ = deep_step(n_layers)
