@@ -43,6 +43,7 @@ from .data import TokenLoader, build_tokenizer, document_separator, read_documen
 from .hf_checkpoint import load_initial, save_hf
 from .metrics import MetricsLogger, reset_peak_memory
 from .metrics_writers import MetricWriters
+from .optimizer import build_optimizer
 from .profiling import StepProfiler
 from .prediction import write_prediction
 from .parallel import apply_activation_checkpointing
@@ -156,25 +157,9 @@ def set_determinism(cfg: JobConfig, device: torch.device) -> None:
         torch.use_deterministic_algorithms(True, warn_only=device.type == "cpu")
 
 
-def build_optimizer(model: torch.nn.Module, cfg: JobConfig, device: torch.device, steps: int):
-    from torchtitan.components.lr_scheduler import build_lr_schedulers
-    from torchtitan.components.optimizer import build_optimizers
-    from torchtitan.config import LRScheduler as TitanLR
-    from torchtitan.config import Optimizer as TitanOpt
-
-    o, s = cfg.optimizer, cfg.lr_scheduler
-    implementation = o.implementation
-    if implementation == "auto":
-        implementation = "fused" if device.type == "cuda" else "foreach"
-    opt_cfg = TitanOpt(name=o.name, lr=o.lr, eps=o.eps, weight_decay=o.weight_decay, implementation=implementation)
-    optimizers = build_optimizers([model], opt_cfg, None)
-    decay_ratio = s.decay_ratio if s.decay_ratio >= 0 else None
-    lr_cfg = TitanLR(warmup_steps=s.warmup_steps, decay_ratio=decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
-    return optimizers, build_lr_schedulers(optimizers, lr_cfg, steps)
-
-
 class GraphTrainer:
     def __init__(self, cfg: JobConfig):
+        started = time.perf_counter()
         self.env = DistEnv.simulated(cfg)
         cfg = resolve(cfg, device_type(), self.env.world_size)
         self.cfg = cfg
@@ -268,6 +253,8 @@ class GraphTrainer:
             if self.fake:
                 logger.info(f"fake communication: rank {self.env.rank} of {self.env.world_size} on one device; shapes, memory and "
                             "compute are that rank's, collectives move no data, so losses and grad norms are not meaningful")
+        # start-up before the first step: meshes, link probe, model init, optimizer, checkpoint load
+        self.capture.stats["init_s"] = time.perf_counter() - started
 
     def state_dict(self) -> dict:
         """What a checkpoint holds besides model, optimizer and LR schedule: step, data position, RNG."""
@@ -318,6 +305,7 @@ class GraphTrainer:
         for micro in range(self.cfg.training.gradient_accumulation_steps):
             inputs, labels = self.next_batches(micro)
             loss += self.step_fn(inputs, labels)
+        started = time.perf_counter()
         grad_norm = own_grad_norm(self.step_fn)
         if grad_norm is None:
             grad_norm = clip_grad_norm_(list(self.model.parameters()), self.cfg.training.max_norm or math.inf,
@@ -327,6 +315,8 @@ class GraphTrainer:
         # parameter and only the optimizer's step hooks run (MoE load balancing).
         self.optimizers.step()
         self.lr_schedulers.step()
+        # the first step's host time of clipping and the update (it was seconds through DTensor's dispatch)
+        self.capture.stats.setdefault("optimizer_s", time.perf_counter() - started)
         values = [self._mean_over_dp(loss), grad_norm]
         dropped = self.load_balancing.dropped if self.load_balancing is not None else None
         if self.pipeline is not None and self.is_moe:

@@ -8,6 +8,7 @@ The end-to-end tests reuse the full-Inductor runs of test_inductor_passes.py's p
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -50,14 +51,28 @@ def test_second_start_loads_every_compiled_graph(tmp_path):
     stored = entries(cold_folder / "compile_cache")
     # 6 layers: block reuse compiles the distinct pieces (more than one), each stored as an entry of its own
     assert cold[0]["compile_cache"] == "miss" and cold[0]["compile_cache_entries_written"] == len(stored) > 1
+    assert cold[0]["decomposed_pieces"] == cold[0]["compiled_blocks"] == len(stored)
     proc = train(["--job.dump_folder", str(tmp_path), *full_inductor(1), "--compile.cache_dir", str(cold_folder / "compile_cache")])
     warm = read_metrics(tmp_path)
     assert warm[0]["compile_cache"] == "hit"
     assert (warm[0]["compile_cache_entries_loaded"], warm[0]["compile_cache_entries_written"]) == (len(stored), 0)
+    # the entries are keyed by the pieces as traced: a warm start decomposes none of them
+    assert warm[0]["decomposed_pieces"] == 0
     # Inductor compiles only on a miss, which logs "compile cache: miss" and stores an entry: neither happened.
     assert proc.stderr.count("compile cache: hit") == len(stored) and "compile cache: miss" not in proc.stderr
     assert entries(cold_folder / "compile_cache") == stored
     assert losses(warm) == losses(cold) and grad_norms(warm) == grad_norms(cold)
+
+    # An entry the decomposition counted on, cut short: its piece, left as traced, is decomposed and compiled.
+    cache = tmp_path / "cut"
+    shutil.copytree(cold_folder / "compile_cache", cache)
+    cut = cache / sorted(stored)[0]
+    cut.write_bytes(cut.read_bytes()[:1000])
+    train(["--job.dump_folder", str(tmp_path / "again"), *full_inductor(1), "--compile.cache_dir", str(cache)])
+    again = read_metrics(tmp_path / "again")
+    assert again[0]["compile_cache"].startswith("refused (truncated")
+    assert (again[0]["compile_cache_entries_loaded"], again[0]["compile_cache_entries_written"]) == (len(stored) - 1, 1)
+    assert losses(again) == losses(cold) and grad_norms(again) == grad_norms(cold)
 
 
 @pytest.mark.slow

@@ -166,10 +166,15 @@ class TracedStep:
         return out[0]
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.signature != self._signature(inputs, labels):
+        built = self.signature != self._signature(inputs, labels)
+        if built:
             self._build(inputs, labels)
         assert self.compiled is not None
+        start = time.perf_counter()
         # The graph computes its own gradients: autograd must not record it as well.
         with torch.no_grad():
             out = self.compiled(*[p.to_local() for p in self.params], *self.buffers, inputs, labels, *self._extra_inputs())
+        if built:
+            # host time of a compiled step's first call: loading its kernels, creating the communicators
+            self.ctx.stats["first_call_s"] = time.perf_counter() - start
         return self._finish(out)

@@ -21,7 +21,8 @@ cut at block starts only) to 72 s (22 distinct pieces, most of them communicatio
 decomposition from 7.4 s to 1.0 s.
 
 Inductor's decomposition before the compile is done the same way (`decompose_pieces`): each distinct
-piece is decomposed once and copied, in graph order, for the pieces of its structure.
+piece is decomposed once, and the full compile gets the decomposed pieces with the graph (`PIECES`); a
+piece whose compile the job's cache holds is not decomposed (passes/inductor.py, `PieceEntry`).
 
 Memory: a value is held between pieces only until the piece that reads it last starts; that piece
 gets it in a list it clears (the boxed convention of Inductor's compiled code), so the compiled code
@@ -33,7 +34,7 @@ wait), since the collective reads it until then.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -350,28 +351,41 @@ def _own_meta(node: fx.Node, sources: list[fx.Node]) -> None:
         node.meta.pop("custom", None)
 
 
-def decompose_pieces(gm: fx.GraphModule, plan: PiecePlan, decompose: Callable[[fx.GraphModule], fx.GraphModule]) -> fx.GraphModule:
-    """`gm` decomposed, one distinct piece at a time: each group's first piece goes through `decompose` once
-    and every piece of the group becomes a copy of that, reading its own inputs. Decomposition works op by
-    op, so this is the graph that decomposing `gm` whole gives, ops in the same order, each copy carrying
-    its own piece's metadata (so the cut of the result finds the same blocks). llama3 70B's 80 blocks took
-    32 s to decompose whole on the GPU machine; the same job has 9 distinct pieces."""
-    decomposed: dict[int, tuple[int, fx.GraphModule]] = {}
-    for index, members in enumerate(plan.groups):
+PIECES = "piece_plan"
+"""`GraphModule.meta` key of a train step decomposed by pieces: the `PiecePlan` whose pieces run the
+decompositions, so that the full compile, the next pass, compiles them without cutting the graph again."""
+
+
+def decompose_pieces(plan: PiecePlan, decompose: Callable[[fx.GraphModule], fx.GraphModule | None]) -> PiecePlan:
+    """The plan with every piece replaced by its group's decomposition: each group's first piece goes
+    through `decompose` once (llama3 70B's 80 blocks took 32 s to decompose whole on the GPU machine;
+    the same job has 9 distinct pieces). `decompose` returns None to leave a group as it is (its
+    compile is cached)."""
+    groups: list[list[Piece]] = []
+    for members in plan.groups:
         first = members[0].module
         for position, node in enumerate(first.graph.nodes):
             node.meta["custom"] = {**(node.meta.get("custom") or {}), _SOURCE: position}
         result = decompose(first)
-        for piece in members:
-            decomposed[id(piece)] = index, result
+        groups.append([replace(piece, module=result if result is not None else first) for piece in members])
+    new = {id(old): piece for old_members, members in zip(plan.groups, groups) for old, piece in zip(old_members, members)}
+    return PiecePlan([new[id(piece)] for piece in plan.pieces], groups, plan.constants, plan.result, plan.slots)
+
+
+def stitch(gm: fx.GraphModule, plan: PiecePlan, decomposed: PiecePlan) -> fx.GraphModule:
+    """`gm` (cut as `plan`) with each piece's ops replaced by those of its `decomposed` module, reading
+    its own inputs. Decomposition works op by op, so where every piece was decomposed this is the graph
+    that decomposing `gm` whole gives, ops in the same order, each copy carrying its own piece's
+    metadata."""
+    group_of = {id(piece): index for index, members in enumerate(decomposed.groups) for piece in members}
     graph = fx.Graph()
     env: list[fx.Node | None] = [graph.node_copy(n) for n in gm.graph.find_nodes(op="placeholder")]
     env += [graph.node_copy(n) for n in gm.graph.nodes if _is_constant(gm, n)]
     env += [None] * (plan.slots - len(env))
     attributes: dict[tuple[int, str], str] = {}
-    for piece in plan.pieces:
-        index, result = decomposed[id(piece)]
-        sources = list(piece.module.graph.nodes)
+    for original, piece in zip(plan.pieces, decomposed.pieces):
+        index, result = group_of[id(piece)], piece.module
+        sources = list(original.module.graph.nodes)
         values = dict(zip(result.graph.find_nodes(op="placeholder"), (env[i] for i in piece.inputs)))
         for node in result.graph.nodes:
             if node.op == "placeholder":

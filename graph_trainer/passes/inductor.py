@@ -8,6 +8,7 @@ there); compiling from those needs no real memory and matches the traced shapes 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from .. import compile_cache
 from ..graph_dump import is_collective
 from ..blocks import block_count
 from ..regions import REGION_KEY
-from .block_compile import PiecePlan, decompose_pieces, is_subgraph, plan_pieces
+from .block_compile import PIECES, PiecePlan, decompose_pieces, is_subgraph, plan_pieces, stitch, views_only
 from .compat import (
     FakeTensorMode,
     TracingContext,
@@ -47,14 +48,67 @@ def fake_inputs(gm: fx.GraphModule, ctx: PassContext) -> list[Any]:
 def inductor_decomposition(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Retrace the graph through Inductor's decomposition table, keeping each node's metadata (region
     marks, seq_nr, stack traces) on the ops it decomposes into; a train step whose blocks the full
-    compile reuses is decomposed one distinct piece at a time (block_compile.decompose_pieces)."""
+    compile reuses is decomposed one distinct piece at a time (block_compile.decompose_pieces), and a
+    piece whose compile the job's cache holds is not decomposed at all (`PieceEntry`)."""
     # A graph with subgraphs (FlexAttention's score and mask functions) is decomposed whole: their copies in
     # the pieces' decompositions have not run on a GPU (no FlexAttention backward on CPU).
     subgraphs = any(is_subgraph(gm, n) for n in gm.graph.find_nodes(op="get_attr"))
     plan = None if subgraphs else _reusable_plan(gm, ctx)
-    if plan is not None:
-        return decompose_pieces(gm, plan, lambda piece: _decompose(piece, ctx))
-    return _decompose(gm, ctx)
+    if plan is None:
+        return _decompose(gm, ctx)
+    cache = _cache(ctx)
+    report = ctx.report.setdefault("inductor_decomposition", {})
+    report["decomposed_pieces"] = 0
+    decomposed = decompose_pieces(plan, lambda piece: _decompose_unless_cached(piece, ctx, cache))
+    # where every compile was cached, the graph stays as traced: it is only dumped
+    out = stitch(gm, plan, decomposed) if report["decomposed_pieces"] else gm
+    out.meta[PIECES] = decomposed
+    return out
+
+
+@dataclass
+class PieceEntry:
+    """A piece's compile-cache key, taken before its decomposition, in `GraphModule.meta`.
+
+    The decomposition is a function of the piece and of torch, both in the key, so the key of the
+    piece as traced names its decomposed compile as well: a start that finds the entry skips the
+    decomposition too (on the GPU machine, llama3 8B on 4 GPUs: 7.7 s of a warm start's 30.6 s went
+    to decomposing 22 distinct pieces whose compiles it then loaded). The piece then stays as traced
+    in the graph the pass returns (and in its dump); where its entry cannot be loaded after all, the
+    compile decomposes it first. The pieces' calling convention is their own either way: decomposing
+    keeps a graph's inputs and outputs."""
+
+    key: str
+    parts: dict
+    decomposed: bool
+
+
+_ENTRY = "compile_cache_entry"
+
+
+def _cache(ctx: PassContext) -> compile_cache.CompileCache | None:
+    folder = compile_cache.cache_folder(ctx.cfg)
+    return compile_cache.CompileCache(folder) if folder is not None else None
+
+
+def _decompose_unless_cached(piece: fx.GraphModule, ctx: PassContext,
+                             cache: compile_cache.CompileCache | None) -> fx.GraphModule | None:
+    """The piece decomposed (and marked with its key), or None where its entry exists (the piece is
+    marked). Counts `decomposed_pieces`, not the pieces that only take views (they run as FX, uncached)."""
+    if views_only(piece):
+        return _decompose(piece, ctx)
+    entry = None
+    if cache is not None:
+        key, parts = compile_cache.cache_key(piece, fake_inputs(piece, ctx), _options(ctx), ctx.device, ctx.meshes)
+        entry = PieceEntry(key, parts, decomposed=not cache.path(key).exists())
+        if not entry.decomposed:
+            piece.meta[_ENTRY] = entry
+            return None
+    result = _decompose(piece, ctx)
+    if entry is not None:
+        result.meta[_ENTRY] = entry
+    ctx.report["inductor_decomposition"]["decomposed_pieces"] += 1
+    return result
 
 
 def _decompose(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -157,7 +211,7 @@ def _compile_train_step(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
         return _compile_whole(gm, ctx)
     report = ctx.report.setdefault("full_inductor_compilation", {})
     report.update(compiled_blocks=1, block_pieces=1, layers=block_count(gm))
-    plan = _reusable_plan(gm, ctx)
+    plan = gm.meta.get(PIECES) or _reusable_plan(gm, ctx)
     if plan is None:
         return _compile_whole(gm, ctx)
     report.update(compiled_blocks=len(plan.compiled_groups), block_pieces=len(plan.pieces))
@@ -198,19 +252,26 @@ block's shard (4 GiB at dp_shard 32). A backend that schedules the collectives (
 needs its order kept as well."""
 
 
+def _options(ctx: PassContext) -> dict | None:
+    # standalone_compile hands `options` to compile_fx as keywords (torch 2.11 and 2.13).
+    return {"config_patches": KEEP_TRAIN_STEP_ORDER} if ctx.stage == "train_step" else None
+
+
 def _compile_whole(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
-    """Compile `gm` with Inductor, or load its compile from the job's compile cache (compile_cache.py)."""
+    """Compile `gm` with Inductor, or load its compile from the job's compile cache (compile_cache.py);
+    a piece's entry is the one its decomposition looked up (`PieceEntry`)."""
+    entry: PieceEntry | None = gm.meta.get(_ENTRY)
     inputs = fake_inputs(gm, ctx)
     kept = _drop_unused_opaque_inputs(gm)
+    # a piece's inputs are all tensors (block_compile.split): none is dropped, the entry's convention holds
+    assert entry is None or kept is None, "a piece lost an input"
     if kept is not None:
         inputs = [inputs[i] for i in kept]
-    # standalone_compile hands `options` to compile_fx as keywords (torch 2.11 and 2.13).
-    options = {"config_patches": KEEP_TRAIN_STEP_ORDER} if ctx.stage == "train_step" else None
-    folder = compile_cache.cache_folder(ctx.cfg)
-    cache = compile_cache.CompileCache(folder) if folder is not None else None
+    options = _options(ctx)
+    cache = _cache(ctx)
     compiled, outcome = None, "off"
     if cache is not None:
-        key, parts = compile_cache.cache_key(gm, inputs, options, ctx.device, ctx.meshes)
+        key, parts = (entry.key, entry.parts) if entry is not None else compile_cache.cache_key(gm, inputs, options, ctx.device, ctx.meshes)
         try:
             compiled = cache.load(key)
             outcome = "hit" if compiled is not None else "miss"
@@ -219,6 +280,8 @@ def _compile_whole(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
             outcome = f"refused ({e})"
     written = 0
     if compiled is None:
+        if entry is not None and not entry.decomposed:
+            gm = _decompose(gm, ctx)
         cacheable = compile_cache.cacheable_inputs(inputs)
         if cacheable is None and cache is not None:
             logger.warning("compile cache: the graph's inputs hold fake tensors it cannot give a cacheable fake mode; "
