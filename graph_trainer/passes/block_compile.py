@@ -33,6 +33,7 @@ wait), since the collective reads it until then.
 
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -372,6 +373,17 @@ def decompose_pieces(plan: PiecePlan, decompose: Callable[[fx.GraphModule], fx.G
     return PiecePlan([new[id(piece)] for piece in plan.pieces], groups, plan.constants, plan.result, plan.slots)
 
 
+def _copy_named(graph: fx.Graph, node: fx.Node, transform: Callable[[fx.Node], fx.Node], name: str) -> fx.Node:
+    """`graph.node_copy(node, transform)` under a name of its own. A copy takes its node's name, and every
+    piece of a group holds the same names: on torch 2.11 (fixed in 2.13) each taken name is resolved by
+    counting up from its suffix through every name already made, so stitching llama3 70B's 505 pieces
+    spent 34 s of 39 s naming nodes (one H200). The piece's index makes the name unique."""
+    copied = graph.create_node(node.op, node.target, fx.node.map_arg(node.args, transform),
+                               fx.node.map_arg(node.kwargs, transform), name, node.type)
+    copied.meta = copy.copy(node.meta)
+    return copied
+
+
 def stitch(gm: fx.GraphModule, plan: PiecePlan, decomposed: PiecePlan) -> fx.GraphModule:
     """`gm` (cut as `plan`) with each piece's ops replaced by those of its `decomposed` module, reading
     its own inputs. Decomposition works op by op, so where every piece was decomposed this is the graph
@@ -383,7 +395,7 @@ def stitch(gm: fx.GraphModule, plan: PiecePlan, decomposed: PiecePlan) -> fx.Gra
     env += [graph.node_copy(n) for n in gm.graph.nodes if _is_constant(gm, n)]
     env += [None] * (plan.slots - len(env))
     attributes: dict[tuple[int, str], str] = {}
-    for original, piece in zip(plan.pieces, decomposed.pieces):
+    for k, (original, piece) in enumerate(zip(plan.pieces, decomposed.pieces)):
         index, result = group_of[id(piece)], piece.module
         sources = list(original.module.graph.nodes)
         values = dict(zip(result.graph.find_nodes(op="placeholder"), (env[i] for i in piece.inputs)))
@@ -402,7 +414,7 @@ def stitch(gm: fx.GraphModule, plan: PiecePlan, decomposed: PiecePlan) -> fx.Gra
                 values[node] = graph.get_attr(attributes[index, node.target])
                 values[node].meta = dict(node.meta)
                 continue
-            values[node] = graph.node_copy(node, values.__getitem__)
+            values[node] = _copy_named(graph, node, values.__getitem__, f"{node.name}_{k}")
             _own_meta(values[node], sources)
     graph.output(fx.node.map_aggregate(plan.result, lambda s: env[s.index] if isinstance(s, _Slot) else s))
     return fx.GraphModule(gm, graph)
