@@ -45,15 +45,12 @@ def _contiguous(graph: fx.Graph, node: fx.Node) -> fx.Node:
     return emit(graph, aten.clone.default, node, memory_format=torch.contiguous_format)
 
 
-def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
-
-
 def _hoist(chain: list[fx.Node], before: fx.Node) -> None:
-    """Move the nodes of an all-gather's input chain that come after `before` to just before it."""
-    pos = _positions(before.graph)
-    for n in sorted(chain, key=pos.__getitem__):
-        if pos[n] > pos[before]:
+    """Move the nodes of an all-gather's input chain that come after `before` to just before it.
+    Nodes compare by their place in the graph (fx keeps a sort key per node); numbering the graph's
+    nodes for each bucket member instead took 4.6 s of llama3 70B's bucketing (profiled, one H200)."""
+    for n in sorted(chain):
+        if n > before:
             before.prepend(n)
 
 
@@ -126,8 +123,7 @@ def rewrite(gm: fx.GraphModule, buckets: list[Bucket], lay: Layout) -> None:
         last = _wait(graph, b, start, lay.anchor(max(b.wait, b.issue)))
         if b.kind == "reduce_scatter":
             cursor = last[-1]
-            pos = _positions(graph)
-            for n in sorted({n for m in b.members for n in m.chain}, key=pos.__getitem__):
+            for n in sorted({n for m in b.members for n in m.chain}):
                 cursor.append(n)
                 cursor = n
     graph.lint()
