@@ -52,8 +52,8 @@ class Layout:
     """Positions of nodes that stay where they are (anchors for inserted nodes), ascending."""
     fixed: list[Transfer] = dataclasses.field(default_factory=list)
     """The collectives the planners do not move (tensor-parallel activations, all-reduces,
-    all-to-alls, gradients the in-graph optimizer reads), where the traced graph issues and waits for
-    them: on the communication stream from issue to wait, compute stalling at the wait."""
+    all-to-alls), where the traced graph issues and waits for them: on the communication stream from
+    issue to wait, compute stalling at the wait."""
 
     def anchor(self, position: int) -> fx.Node:
         i = bisect.bisect_left(self.stable, position)
@@ -72,8 +72,7 @@ class Layout:
 def fixed_transfers(order: list[fx.Node], planned: set[fx.Node], model: CostModel) -> list[Transfer]:
     """Every collective with one wait that is not in `planned`, issued and waited for where the graph
     has it. A wait that directly follows its collective blocks compute for the collective's time; a
-    wait further down (a gradient reduce-scatter first read by the in-graph optimizer) lets the
-    collective overlap the compute in between."""
+    wait further down lets the collective overlap the compute in between."""
     pos = {n: i for i, n in enumerate(order)}
     fixed = []
     for i, n in enumerate(order):
@@ -142,7 +141,7 @@ def place(buckets: list[Bucket], lay: Layout, model: CostModel) -> None:
     for b in sorted((b for b in buckets if b.kind == "reduce_scatter"), key=lambda b: b.ready):
         b.issue = b.ready
         comm_free = max(lay.prefix[b.issue], comm_free) + _comm_time(b, model)
-        b.wait = lay.first_at_or_after(comm_free, b.issue, end)
+        b.wait = lay.first_at_or_after(comm_free, b.issue, min(end, b.need))
 
 
 def _comm_time(b: Bucket, model: CostModel) -> float:
@@ -223,6 +222,8 @@ def block_of(fqn: str) -> int | None:
 def _param_index(c: Collective, placeholders: dict[fx.Node, int], num_params: int) -> int | None:
     if c.kind == "all_gather":
         index = placeholders.get(c.placeholder)
+    elif c.update_index is not None:
+        index = c.update_index
     else:
         index = None if c.output_index is None else c.output_index - 1
     return index if index is not None and 0 <= index < num_params else None
@@ -257,7 +258,7 @@ def place_per_block(buckets: list[Bucket], depth: int = 1) -> None:
     scatters = sorted((b for b in buckets if b.kind == "reduce_scatter"), key=lambda b: b.ready)
     for k, b in enumerate(scatters):
         b.issue = b.ready
-        b.wait = scatters[k + 1].ready if k + 1 < len(scatters) else max(m.need for m in b.members)
+        b.wait = min(scatters[k + 1].ready, b.need) if k + 1 < len(scatters) else b.need
 
 
 def gathered_in_flight(buckets: list[Bucket]) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ..blocks import UPDATE_KEY
 from ..graph_dump import is_collective
 from .bucketing_compat import ALL_GATHER, REDUCE_SCATTER, WAIT, ancestors, is_fsdp_all_gather, is_fsdp_reduce_scatter
 
@@ -36,6 +37,8 @@ class Collective:
     """Positions of its issue and wait in the traced graph (the unscheduled baseline)."""
     placeholder: fx.Node | None = None
     output_index: int | None = None
+    update_index: int | None = None
+    """A gradient the in-graph optimizer reads: the index of the parameter whose update reads it."""
 
     @property
     def group_size(self) -> int:
@@ -127,14 +130,43 @@ def find_collectives(gm: fx.GraphModule) -> list[Collective]:
             key = ("all_gather", group_name, group_size, val.dtype, None, need <= boundary)
             found.append(Collective(node, wait, "all_gather", key, val.numel() * val.element_size(),
                                     pos[placeholder] + 1, need, chain, (pos[node], pos[wait]), placeholder=placeholder))
-        elif node.target is REDUCE_SCATTER and is_fsdp_reduce_scatter(node):
+        elif node.target is REDUCE_SCATTER:
+            read = _read_by_update(wait, pos)
+            if read is None and not is_fsdp_reduce_scatter(node):
+                continue
             source, reduce_op, group_size, group_name = node.args
             src_val = source.meta["val"]
+            key = ("reduce_scatter", group_name, group_size, val.dtype, reduce_op, False)
+            common = (node, wait, "reduce_scatter", key, src_val.numel() * src_val.element_size(), pos[source] + 1)
+            if read is not None:
+                # Read by the in-graph optimizer (the norm over every gradient, then the update): the wait
+                # may move down to its first reader; the views between move with it.
+                chain, need, update = read
+                found.append(Collective(*common, need, chain, (pos[node], pos[wait]), update_index=update))
+                continue
             chain, returned = _descendants_to_output(wait)
             if _holds_collective(chain):
                 continue
-            key = ("reduce_scatter", group_name, group_size, val.dtype, reduce_op, False)
-            found.append(Collective(node, wait, "reduce_scatter", key, src_val.numel() * src_val.element_size(),
-                                    pos[source] + 1, len(order) - 1, chain, (pos[node], pos[wait]),
-                                    output_index=out_index.get(returned)))
+            found.append(Collective(*common, len(order) - 1, chain, (pos[node], pos[wait]), output_index=out_index.get(returned)))
     return found
+
+
+def _read_by_update(wait: fx.Node, pos: dict[fx.Node, int]) -> tuple[list[fx.Node], int, int] | None:
+    """For a gradient that a traced parameter update (`blocks.UPDATE_KEY`) reads: the one-input chain below
+    its wait (views), the position of the first op that reads it otherwise, and the parameter's index."""
+    chain: list[fx.Node] = []
+    readers: list[fx.Node] = []
+    stack = [wait]
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if user.op == "call_function" and user.all_input_nodes == [n]:
+                chain.append(user)
+                stack.append(user)
+            else:
+                readers.append(user)
+    marks = [(r.meta.get("custom") or {}).get(UPDATE_KEY) for r in readers]
+    index = next((m for m in marks if m is not None), None)
+    if index is None:
+        return None
+    return chain, min(pos[r] for r in readers), index
