@@ -7,7 +7,7 @@ dynamic_shapes="from_tracing_context", aot=True)` in both; `_use_cuda_memory_poo
 pool, stream)` is the same context manager in both. For the compile cache: `CompiledArtifact.save(*, path,
 format)` / `CompiledArtifact.load(*, path, format)`, `torch._inductor.config.get_hash()` and
 `cpu_vec_isa.pick_vec_isa()` are the same in both. `_LazyGraphModule` (a GraphModule that writes its
-Python code when first called) is in both.
+Python code when first called) and `_use_lazy_graph_module(on)` (make_fx then returns one) are in both.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ try:
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module as lazy_graph_modules
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.fx.passes.regional_inductor import regional_inductor
 except ImportError as e:  # pragma: no cover  (only on a torch outside the supported range)
@@ -72,6 +73,7 @@ __all__ = [
     "CompiledArtifact",
     "FakeTensorMode",
     "LazyGraphModule",
+    "lazy_graph_modules",
     "ShapeEnv",
     "TracingContext",
     "detect_fake_mode",
