@@ -48,8 +48,9 @@ def fake_pg():
     dist.destroy_process_group()
 
 
-def trace_llama(*flags: str) -> tuple[fx.GraphModule, PassContext]:
-    """llama3 debugmodel's train step with dp_shard=2 traced on meta tensors (needs `fake_pg`)."""
+def trace_llama(*flags: str, optimizer_in_graph: bool = False) -> tuple[fx.GraphModule, PassContext]:
+    """llama3 debugmodel's train step with dp_shard=2 traced on meta tensors (needs `fake_pg`); with
+    `optimizer_in_graph`, clipping and AdamW traced in (capture/optimizer_in_graph.py)."""
     from graph_trainer import models
     from graph_trainer.blocks import annotate_blocks
     from graph_trainer.capture.fx_trace import trace_train_step
@@ -73,7 +74,14 @@ def trace_llama(*flags: str) -> tuple[fx.GraphModule, PassContext]:
     params = [p.to_local() for p in model.parameters()]
     _, buffers = named_buffers(model)
     tokens = torch.zeros(4, 256, dtype=torch.long, device="meta")
-    gm = trace_train_step(step, params, buffers, tokens, tokens, torch.device("cpu"))
+    extra = []
+    if optimizer_in_graph:
+        from graph_trainer.capture.optimizer_in_graph import AdamWHyper, ClipAndAdamWStep
+
+        step = ClipAndAdamWStep(step, AdamWHyper(0.9, 0.95, 1e-8, 0.1, 1.0), ep_enabled=False)
+        scalar = torch.zeros((), dtype=torch.float64, device="meta")
+        extra = [torch.zeros_like(p) for p in params] * 2 + [scalar, scalar]
+    gm = trace_train_step(step, params, buffers, tokens, tokens, torch.device("cpu"), extra)
     ctx = PassContext(cfg=cfg, meshes=meshes, device=torch.device("cpu"), num_params=len(params),
                       num_buffers=len(buffers), param_fqns=[s.fqn for s in step.specs])
     return gm, ctx
@@ -245,6 +253,21 @@ def test_transformer_block_bucketing_one_bucket_per_block(fake_pg):
     starts = [i for i, n in enumerate(order) if n.target is ALL_GATHER]
     waits = [i for i, n in enumerate(order) if n.target is WAIT and n.args[0].target is ALL_GATHER]
     assert all(start_next < wait for start_next, wait in zip(starts[1:], waits))
+
+
+def test_in_graph_optimizer_gradients_are_bucketed_per_block(fake_pg):
+    """The in-graph optimizer reads every gradient (the norm, then its update): no gradient reaches the outputs,
+    so the update's mark on its reader names the parameter, and the reduce-scatters are bucketed per block as
+    without the optimizer, each wait before the first read."""
+    gm, ctx = trace_llama("--parallelism.reshard_after_forward", "never", optimizer_in_graph=True)
+    assert counts(gm)["reduce_scatter"] == len(ctx.param_fqns)
+    gm = apply_passes(gm, ["reshard_after_forward", "transformer_block_bucketing"], ctx, "train_step")
+    assert counts(gm) == {"all_gather": LAYERS + 2, "reduce_scatter": LAYERS + 2, "all_reduce": 1}
+    assert sorted(bucket_sizes(gm, REDUCE_SCATTER)) == [1, 2, *[9] * LAYERS]
+    order = list(gm.graph.nodes)
+    norm = next(i for i, n in enumerate(order) if "norm" in str(n.target) and "foreach" in str(n.target))
+    waits = [i for i, n in enumerate(order) if n.target is WAIT and n.args[0].target is REDUCE_SCATTER]
+    assert len(waits) == LAYERS + 2 and max(waits) < norm
 
 
 def _gathered_alive_across_loss(gm: fx.GraphModule) -> int:
