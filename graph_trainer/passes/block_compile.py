@@ -360,8 +360,8 @@ decompositions, so that the full compile, the next pass, compiles them without c
 def decompose_pieces(plan: PiecePlan, decompose: Callable[[fx.GraphModule], fx.GraphModule | None]) -> PiecePlan:
     """The plan with every piece replaced by its group's decomposition: each group's first piece goes
     through `decompose` once (llama3 70B's 80 blocks took 32 s to decompose whole on the GPU machine;
-    the same job has 9 distinct pieces). `decompose` returns None to leave a group as it is (its
-    compile is cached)."""
+    its 18 distinct pieces take 6.1 s, one H200). `decompose` returns None to leave a group as it is
+    (its compile is cached)."""
     groups: list[list[Piece]] = []
     for members in plan.groups:
         first = members[0].module
