@@ -22,7 +22,8 @@ torch 2.11 and 2.13 (checked: save in one process, load in another, same outputs
 
 The key is everything the compiled code depends on: the graph as the compile gets it (after every
 graph pass, so what the passes decided is part of it; ops, arguments, constants, the shape, stride,
-dtype and device of every value), the inputs' shapes, strides, dtypes and devices, the Inductor
+dtype and device of every value; for a piece of a block-reused step, the piece before Inductor's
+decomposition, which torch's version decides: passes/inductor.py, `PieceEntry`), the inputs' shapes, strides, dtypes and devices, the Inductor
 options and configuration, torch (version and source hash), Triton and Python versions, the device
 kind (GPU name and capability, or the CPU's vector ISA, which the generated C++ is written for) and
 the mesh (shape and dimension names).
