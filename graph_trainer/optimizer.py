@@ -42,11 +42,11 @@ class _ShardLocalStep:
 
 
 class ShardLocalAdam(_ShardLocalStep, torch.optim.Adam):
-    pass
+    """torch's Adam, stepped on the local shards."""
 
 
 class ShardLocalAdamW(_ShardLocalStep, torch.optim.AdamW):
-    pass
+    """torch's AdamW, stepped on the local shards (the in-graph optimizer reads its state too)."""
 
 
 OPTIMIZERS = {"Adam": ShardLocalAdam, "AdamW": ShardLocalAdamW}
