@@ -59,15 +59,19 @@ def exposed_comm(events: list[dict], steps: int = 1) -> dict[str, float]:
     """Per step: the kernel span (first device event's start to the last one's end), the time some collective kernel
     ran, and the part of it no compute kernel overlapped; `exposed_comm_share` is that part over the span. Kernels of
     one stream run one after another, so a compute kernel that overlaps a collective ran on another stream; copies
-    and memsets are no compute. Empty without device events (a CPU trace)."""
+    and memsets are no compute. `compute_idle_share`: the part of the span no compute kernel ran, a pipeline's
+    bubble (a stage waiting on its neighbour) plus its exposed communication. Empty without device events (a CPU
+    trace)."""
     if not events:
         return {}
     comm = [_interval(e) for e in events if kind_of(e.get("name", "")) == COLLECTIVES]
     compute = [_interval(e) for e in events if e.get("cat") == "kernel" and kind_of(e.get("name", "")) != COLLECTIVES]
     span_us = max(stop for _, stop in map(_interval, events)) - min(start for start, _ in map(_interval, events))
     exposed_us = uncovered_length(comm, compute)
+    idle_us = span_us - union_length(compute)
     return {"kernel_span_ms": span_us / 1e3 / steps, "comm_ms": union_length(comm) / 1e3 / steps,
-            "exposed_comm_ms": exposed_us / 1e3 / steps, "exposed_comm_share": exposed_us / span_us if span_us else 0.0}
+            "exposed_comm_ms": exposed_us / 1e3 / steps, "exposed_comm_share": exposed_us / span_us if span_us else 0.0,
+            "compute_idle_ms": idle_us / 1e3 / steps, "compute_idle_share": idle_us / span_us if span_us else 0.0}
 
 
 def main() -> int:

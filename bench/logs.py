@@ -10,7 +10,8 @@ from collections import defaultdict
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # torchrun's `--role rank --tee 3` puts `[rank<i>]:` before every line of a rank
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
-_TITAN_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+|nan|inf)\s+grad_norm:\s*([\d.]+|nan|inf).*?memory:\s*([\d.]+)GiB"
+# a pipeline rank without the last stage logs the loss -1
+_TITAN_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[\d.]+|nan|inf)\s+grad_norm:\s*([\d.]+|nan|inf).*?memory:\s*([\d.]+)GiB"
                          r".*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+)%")
 # both trainers' log line of step 1 (ours "step:    1  loss: ...", torchtitan's "step:  1  loss: ...")
 FIRST_STEP = re.compile(r"step:\s*1\s+loss:")

@@ -149,6 +149,22 @@ def _exposed_prediction_table(results: list[dict]) -> list[str]:
     return lines
 
 
+def _pipelined(r: dict) -> bool:
+    return any(flag in r["args"] for flag in ("--parallelism.pp", "--parallelism.pipeline_parallel_degree"))
+
+
+def _bubble_table(results: list[dict]) -> list[str]:
+    """Pipeline runs, profiled: the part of the step no compute kernel ran on rank 0 (the first stage), from its trace."""
+    rows = [r for r in results if _pipelined(r) and r.get("trace_compute_idle_ms") is not None]
+    if not rows:
+        return []
+    lines = ["", "Pipeline bubble of one profiled step on rank 0 (the first stage): kernel span time no compute kernel ran "
+                 "(waiting on the other stage, or on exposed communication), from the trace (bench/kernel_mix.py):", "",
+             "| group | run | kernel span ms | compute idle ms | bubble % | exposed comm % |", "|---|---|---|---|---|---|"]
+    return lines + [f"| {r['group']} | {r['name']} | {r['trace_kernel_span_ms']:.1f} | {r['trace_compute_idle_ms']:.1f} | "
+                    f"{100 * r['trace_compute_idle_share']:.1f} | {_exposed(r)} |" for r in rows]
+
+
 def _compile_table(results: list[dict]) -> list[str]:
     """Where the time to the first step went, for runs that compiled with full Inductor: the compile cache's outcome
     (a restart loads what the cold run stored) and how many distinct blocks Inductor compiled for how many layers."""
@@ -211,7 +227,7 @@ def write_report(results: list[dict], suite: str, out: Path, device: str, comman
     lines = [f"# {suite} on {device}", "", "Made by:", "", *[f"    {c}" for c in commands], "", SPEC_PEAK_NOTE,
              "Exposed comm %: collective kernel time no compute kernel overlaps, over the step's kernel span, from the "
              "profiled step's trace (bench/kernel_mix.py).", "", *_runs_table(results)]
-    lines += _compile_table(results) + _solver_table(results) + _projected_table(results) + _exposed_prediction_table(results)
+    lines += _compile_table(results) + _bubble_table(results) + _solver_table(results) + _projected_table(results) + _exposed_prediction_table(results)
     lines += _top_kernels(results) + _kernel_mix_tables(results)
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     _plot(results, stem)

@@ -82,7 +82,8 @@ def tiny(run: Run) -> Run:
         batch = str(int(args[args.index("--comm.fake_world_size") + 1]) // tp)
     for flag, value in (("--model.flavor", "debugmodel"), ("--training.seq_len", "64"), ("--training.batch_size", batch),
                         ("--training.steps", "5")):
-        if flag in args:
+        # a pipeline's batch is its microbatches
+        if flag in args and not (flag == "--training.batch_size" and "--parallelism.pp_microbatches" in args):
             args[args.index(flag) + 1] = value
     if "cudagraph" in args:
         i = args.index("cudagraph")

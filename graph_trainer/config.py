@@ -124,9 +124,15 @@ class Parallelism:
     """Microbatches each pipeline step splits the rank's batch into; 0: one per stage."""
     pp_stages_per_rank: int = 0
     """Stages on each pp rank: 1 for 1F1B and GPipe; 0 means 1 for those, 2 for the interleaved schedules."""
+    pp_gather: Literal["step", "microbatch"] = "step"
+    """With FSDP under pp: `step` gathers each stage parameter once per pipeline step and reduce-scatters its gradient
+    once, holding the rank's stage parameters unsharded (compute dtype) with fp32 gradient sums through the step, 6 bytes
+    a parameter with bf16; `microbatch` gathers in every microbatch's forward and reduce-scatters in its backward (the
+    memory of a sharded step; bitwise the pp 1 step, where `step` adds the microbatches' gradients before averaging)."""
     pp_layers_per_stage: list[str] = field(default_factory=list)
-    """Transformer layers in each stage, comma separated (e.g. 1,3); empty: an even split. The first stage also holds the
-    embedding, the last the final norm and output."""
+    """Transformer layers in each stage, comma separated (e.g. 1,3); empty: an even split; `balanced`: the split that evens
+    out the ranks' and stages' FLOPs (the output projection weighs as much as two 8B layers). The first stage also holds
+    the embedding, the last the final norm and output."""
 
 
 @dataclass

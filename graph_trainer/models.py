@@ -243,5 +243,24 @@ def nparams_and_flops_per_token(args: Any, model: nn.Module, seq_len: int) -> tu
     return args.get_nparams_and_flops(model, seq_len)
 
 
+def stage_costs(args: Any, model: nn.Module, seq_len: int) -> tuple[list[float], float, float]:
+    """Training FLOPs per token of each transformer layer, of the embedding and of the output (final norm and
+    projection), by torchtitan's count: 6 per active parameter (an MoE layer's routed experts by top_k of
+    num_experts) and, per layer, attention's 6 * heads * seq * (query + value head dims). The embedding is a
+    lookup. For a balanced pipeline split."""
+    moe = getattr(args, "moe_args", None)
+    active = moe.top_k / moe.num_experts if moe is not None else 1.0
+    q = getattr(args, "qk_nope_head_dim", 0) + getattr(args, "qk_rope_head_dim", 0) or getattr(args, "head_dim", 0) or args.dim // args.n_heads
+    attention = 6 * args.n_heads * seq_len * (q + (getattr(args, "v_head_dim", 0) or q))
+
+    def flops(module: nn.Module | None) -> float:
+        if module is None:
+            return 0.0
+        return 6.0 * sum(p.numel() * (active if ".experts." in f".{name}" else 1.0) for name, p in module.named_parameters())
+
+    layers = [flops(block) + attention for block in model.layers.values()]
+    return layers, 0.0, flops(model.norm) + flops(model.output)
+
+
 def describe(args: Any) -> dict[str, Any]:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if isinstance(getattr(args, f.name), (int, float, str))}

@@ -4,7 +4,8 @@ gradient norm over every stage."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from .config import JobConfig
 from .parallel.mesh import Meshes
 from .parallel.pipeline import (PipelineLayout, PipelineStep, build_layout, build_schedule, default_microbatches,
                                 pipeline_total_norm, stage_grads, stage_views, stages_per_rank)
+from .parallel.step_gather import StepGather
 
 TRACED_MODES = ("aot_fx_trace", "aot")
 
@@ -28,11 +30,12 @@ def microbatches_of(cfg: JobConfig) -> int:
     return p.pp_microbatches or default_microbatches(p.pp, stages_per_rank(p.pp_schedule, p.pp_stages_per_rank))
 
 
-def layout_of(cfg: JobConfig, n_layers: int) -> PipelineLayout | None:
+def layout_of(cfg: JobConfig, n_layers: int, costs: Callable[[], tuple[list[float], float, float]] | None = None) -> PipelineLayout | None:
+    """`costs`: the model's per-layer, embedding and output FLOPs (models.stage_costs), for a balanced split."""
     p = cfg.parallelism
     if p.pp == 1:
         return None
-    return build_layout(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank, p.pp_layers_per_stage, n_layers)
+    return build_layout(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank, p.pp_layers_per_stage, n_layers, costs)
 
 
 class Pipeline:
@@ -42,6 +45,7 @@ class Pipeline:
 
     def __init__(self, ctx: CaptureContext, layout: PipelineLayout, model_args: Any, microbatch: int, dtype: torch.dtype):
         self.layout = layout
+        ctx.stats["pp_stage_layers"] = ",".join(str(len(layers)) for layers in layout.layers)
         self.meshes: Meshes = ctx.meshes
         assert self.meshes.pp is not None
         self.pp_rank = self.meshes.pp.get_local_rank()
@@ -59,7 +63,8 @@ class Pipeline:
 
         schedule = build_schedule(modules, layout, self.meshes.pp, ctx.device, scaled_loss, microbatch, ctx.cfg.training.seq_len,
                                   model_args.dim, model_args.vocab_size, dtype, self.meshes.degrees.tp)
-        self.step = PipelineStep(schedule, layout, self.meshes.pp, ctx.device)
+        gather = StepGather(ctx.model) if ctx.cfg.parallelism.pp_gather == "step" else None
+        self.step = PipelineStep(schedule, layout, self.meshes.pp, ctx.device, gather or contextlib.nullcontext)
         self.ep_enabled = self.meshes.degrees.ep > 1
         self.device = ctx.device
 

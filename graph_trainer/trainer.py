@@ -196,7 +196,7 @@ class GraphTrainer:
         model = models.build_on_meta(spec, args, self.device.type)
         # before placement: the solver traces the forward with the masks the model builds from its tokens
         models.install_attention_masks(model, document_separator(self.tokenizer))
-        layout = layout_of(cfg, args.n_layers)
+        layout = layout_of(cfg, args.n_layers, lambda: models.stage_costs(args, reference, t.seq_len))
         if layout is not None:
             prune_to_rank(model, layout, self.meshes.pp.get_local_rank())
         self.model = place_model(model, spec, args, self.meshes, mp, cfg)

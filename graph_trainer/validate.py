@@ -393,13 +393,14 @@ _CHECKS_AFTER_MESH += (check_validation,)
 
 def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
     """--parallelism.pp: the stage split, the schedule's microbatches, and what pipelining does not combine with."""
-    from .parallel.pipeline import LOOPED, SPLIT_BACKWARD, min_microbatches, split_layers, stages_per_rank
+    from .parallel.pipeline import BALANCED, LOOPED, SPLIT_BACKWARD, min_microbatches, split_layers, stages_per_rank
     from .pipelining import TRACED_MODES, microbatches_of
 
     p, t = cfg.parallelism, cfg.training
     if p.pp == 1:
-        if p.pp_layers_per_stage or p.pp_microbatches or p.pp_stages_per_rank:
-            raise ConfigError("--parallelism.pp_layers_per_stage/pp_microbatches/pp_stages_per_rank shape a pipeline: add --parallelism.pp N (N > 1)")
+        if p.pp_layers_per_stage or p.pp_microbatches or p.pp_stages_per_rank or p.pp_gather != "step":
+            raise ConfigError("--parallelism.pp_layers_per_stage/pp_microbatches/pp_stages_per_rank/pp_gather shape a pipeline: "
+                              "add --parallelism.pp N (N > 1)")
         return
     unsupported = [
         (cfg.compile.autoparallel, "--compile.autoparallel (the solver places whole-model graphs)"),
@@ -425,13 +426,15 @@ def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
     if p.pp_schedule not in LOOPED and per_rank != 1:
         raise ConfigError(f"--parallelism.pp_schedule {p.pp_schedule} runs one stage per rank: drop --parallelism.pp_stages_per_rank, "
                           f"or use Interleaved1F1B for {per_rank}")
-    if not all(n.isdigit() for n in p.pp_layers_per_stage):
-        raise ConfigError(f"--parallelism.pp_layers_per_stage takes layer counts (e.g. 1,3), got {','.join(p.pp_layers_per_stage)}")
-    n_layers = models.get_spec(cfg.model.name).job_args(cfg).n_layers
-    try:
-        split_layers(n_layers, p.pp * per_rank, [int(n) for n in p.pp_layers_per_stage])
-    except ValueError as e:
-        raise ConfigError(f"--parallelism.pp {p.pp}: {e}") from None
+    balanced = p.pp_layers_per_stage == [BALANCED]
+    if not (balanced or all(n.isdigit() for n in p.pp_layers_per_stage)):
+        raise ConfigError(f"--parallelism.pp_layers_per_stage takes layer counts (e.g. 1,3) or {BALANCED}, got {','.join(p.pp_layers_per_stage)}")
+    if not balanced:
+        n_layers = models.get_spec(cfg.model.name).job_args(cfg).n_layers
+        try:
+            split_layers(n_layers, p.pp * per_rank, [int(n) for n in p.pp_layers_per_stage])
+        except ValueError as e:
+            raise ConfigError(f"--parallelism.pp {p.pp}: {e}") from None
     if p.pp_microbatches < 0:
         raise ConfigError(f"parallelism.pp_microbatches must be >= 0 (0: one per stage), got {p.pp_microbatches}")
     micro = microbatches_of(cfg)

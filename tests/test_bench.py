@@ -30,7 +30,8 @@ def test_multi_same_work_per_rank(gpus):
         assert "titan compile" in {r.name for r in members}
         titan = next(r.args for r in members if r.trainer == "titan")
         dp, tp = int(_flag(titan, "--parallelism.data_parallel_shard_degree")), int(_flag(titan, "--parallelism.tensor_parallel_degree"))
-        assert dp * tp == gpus
+        pp = int(_flag(titan, "--parallelism.pipeline_parallel_degree", "1"))
+        assert dp * tp * pp == gpus
         flavor, _, layers = _flag(titan, "--model.flavor").partition("-")
         for r in members:
             assert r.nproc == gpus
@@ -43,6 +44,14 @@ def test_multi_same_work_per_rank(gpus):
             assert _flag(a, "--parallelism.ep", "1") == _flag(titan, "--parallelism.expert_parallel_degree", "1")
             assert (_flag(a, "--model.flavor"), _flag(a, "--model.n_layers", "0")) == (flavor, layers.rstrip("L") or "0")
             assert _flag(a, "--training.seq_len") == _flag(titan, "--training.seq_len")
+            assert _flag(a, "--parallelism.pp", "1") == str(pp)
+            if pp > 1:
+                # the same schedule over the same microbatches, and stages holding every layer once
+                assert _flag(a, "--parallelism.pp_schedule") == _flag(titan, "--parallelism.pipeline_parallel_schedule")
+                micro = int(_flag(titan, "--training.local_batch_size")) // int(_flag(titan, "--parallelism.pipeline_parallel_microbatch_size"))
+                assert int(_flag(a, "--parallelism.pp_microbatches")) == micro
+                split = _flag(a, "--parallelism.pp_layers_per_stage")
+                assert split == "balanced" or sum(map(int, split.split(","))) == int(layers.rstrip("L"))
             # the last AC flags win on both sides
             assert a[len(a) - a[::-1].index("--activation_checkpoint.mode")] == titan[len(titan) - titan[::-1].index("--activation_checkpoint.mode")]
 
@@ -67,6 +76,13 @@ def test_titan_lines_of_rank_0_only():
               "tps: 52,058  tflops: 400.00  mfu: 44.30%\n")
     assert titan_records(output) == [{"step": 1, "loss": 11.5, "grad_norm": 8.5, "reserved_memory_gib": 31.5,
                                       "tokens_per_second": 52058.0, "mfu": 44.3}]
+
+
+def test_titan_line_of_a_pipeline_rank_without_the_loss():
+    """Under pipeline parallelism rank 0 holds the first stage and logs the loss as -1: its step is still measured."""
+    output = "[rank0]:[titan] step:  3  loss: -1.0000  grad_norm:  2.5000  memory: 40.00GiB(50.00%)  tps: 9,000  tflops: 300.00  mfu: 30.10%\n"
+    assert titan_records(output) == [{"step": 3, "loss": -1.0, "grad_norm": 2.5, "reserved_memory_gib": 40.0,
+                                      "tokens_per_second": 9000.0, "mfu": 30.1}]
 
 
 def test_nccl_protocols():

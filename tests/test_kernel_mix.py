@@ -51,7 +51,8 @@ def test_exposed_communication(tmp_path):
     """A step of 1,000 us on two streams (compute on 7, NCCL on 20): an all-gather half under a GEMM, a reduce-scatter
     overlapped only by a memcpy (no compute) and an all-reduce with nothing beside it; a CPU op over all of it does
     not count. Exposed: 100 (all-gather's tail) + 200 (reduce-scatter) + 100 (all-reduce) = 400 us of 600 us of
-    collectives, over the span from the first kernel's start (100) to the last one's end (1,100)."""
+    collectives, over the span from the first kernel's start (100) to the last one's end (1,100). No compute kernel
+    runs for 550 us of it (400-850, 1,000-1,100): the bubble a pipeline stage's trace shows."""
     events = _trace(tmp_path, [
         {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_gemm", "ts": 100.0, "dur": 300.0, "tid": 7},
         {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "ts": 200.0, "dur": 300.0, "tid": 20},
@@ -62,7 +63,8 @@ def test_exposed_communication(tmp_path):
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 5000.0, "tid": 1},
     ])
     # the all-gather (200-500) is overlapped by the GEMM until 400: 100 us exposed
-    assert exposed_comm(events) == {"kernel_span_ms": 1.0, "comm_ms": 0.6, "exposed_comm_ms": 0.4, "exposed_comm_share": 0.4}
+    assert exposed_comm(events) == {"kernel_span_ms": 1.0, "comm_ms": 0.6, "exposed_comm_ms": 0.4, "exposed_comm_share": 0.4,
+                                    "compute_idle_ms": 0.55, "compute_idle_share": 0.55}
     assert exposed_comm(events, steps=2)["exposed_comm_ms"] == 0.2
 
 

@@ -34,21 +34,39 @@ class MultiConfig:
     tp: int = 1
     ep: int = 1
     ac: str = "none"
+    pp: int = 1
+    schedule: str = ""
+    """The pipeline schedule, with pp > 1; a data-parallel rank's `local_batch` sequences are its microbatches."""
 
     def gt_flags(self) -> list[str]:
         mesh = ["--parallelism.dp_shard", str(self.dp_shard), "--parallelism.tp", str(self.tp)]
+        if self.pp > 1:
+            mesh += ["--parallelism.pp", str(self.pp), "--parallelism.pp_schedule", self.schedule, "--parallelism.pp_microbatches",
+                     str(self.local_batch)]
         return mesh + (["--parallelism.ep", str(self.ep)] if self.ep > 1 else [])
 
     def titan_flags(self) -> list[str]:
         mesh = ["--parallelism.data_parallel_shard_degree", str(self.dp_shard), "--parallelism.tensor_parallel_degree", str(self.tp)]
+        if self.pp > 1:
+            mesh += ["--parallelism.pipeline_parallel_degree", str(self.pp), "--parallelism.pipeline_parallel_schedule", self.schedule,
+                     "--parallelism.pipeline_parallel_microbatch_size", "1"]
         return mesh + (["--parallelism.expert_parallel_degree", str(self.ep)] if self.ep > 1 else [])
+
+    def titan_stage_layers(self) -> list[int]:
+        """Transformer layers per stage as torchtitan splits them (the embedding and the output count as a layer each),
+        so that both trainers' stages hold the same layers."""
+        from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+
+        stages = self.pp * (1 if self.schedule in ("1F1B", "GPipe") else 2)
+        parts = generate_llm_fqn_per_model_part(stages, self.layers)
+        return [sum(name.startswith("layers.") for name in part) for part in parts]
 
     def ac_flags(self) -> list[str]:
         return ["--activation_checkpoint.mode", self.ac] + (["--activation_checkpoint.selective_ac_option", "2"] if self.ac == "selective" else [])
 
     @property
     def ranks(self) -> int:
-        return self.dp_shard * self.tp
+        return self.pp * self.dp_shard * self.tp
 
     @property
     def titan_model(self) -> str:
@@ -65,6 +83,11 @@ MULTI_CONFIGS = {
         MultiConfig("8B-16L dp2", "llama3", "8B", 16, 1, 8192, dp_shard=2, ac="selective"),
         MultiConfig("8B-16L tp2", "llama3", "8B", 16, 1, 8192, dp_shard=1, tp=2, ac="selective"),
         MultiConfig("DeepSeek 16B-6L dp2 ep2", "deepseek_v3", "16B", 6, 2, 4096, dp_shard=2, ep=2),
+        # 8 microbatches of 1 x 4096: a stage's weights, gradients and AdamW moments unsharded (36 GiB for the first
+        # stage's 2.3B parameters) leave an H100 room for the activations of the microbatches 1F1B keeps in flight
+        MultiConfig("8B-16L pp2 1F1B", "llama3", "8B", 16, 8, 4096, dp_shard=1, ac="selective", pp=2, schedule="1F1B"),
+        MultiConfig("8B-16L pp2 Interleaved1F1B", "llama3", "8B", 16, 8, 4096, dp_shard=1, ac="selective", pp=2,
+                    schedule="Interleaved1F1B"),
     ],
     4: [
         MultiConfig("8B dp4", "llama3", "8B", 0, 1, 8192, dp_shard=4, ac="selective"),
@@ -74,6 +97,9 @@ MULTI_CONFIGS = {
         # leave an H100 room for the activations of 2 x 4096 tokens (the 6-layer cut on 4 GPUs peaked at 24.2 GiB with
         # 12.8 GiB of them); the whole 16B holds 58.5 GiB a rank before any activation
         MultiConfig("DeepSeek 16B-12L dp4 ep4", "deepseek_v3", "16B", 12, 2, 4096, dp_shard=4, ep=4),
+        MultiConfig("8B-16L pp2 dp2 1F1B", "llama3", "8B", 16, 8, 4096, dp_shard=2, ac="selective", pp=2, schedule="1F1B"),
+        MultiConfig("8B-16L pp2 dp2 Interleaved1F1B", "llama3", "8B", 16, 8, 4096, dp_shard=2, ac="selective", pp=2,
+                    schedule="Interleaved1F1B"),
     ],
 }
 
@@ -93,6 +119,15 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
         run.env = dict(NCCL_TUNING_LOG)
         return run
 
+    if c.pp > 1:
+        # the same schedule, microbatches and tokens on both sides, the bubble from both profiles; ours with torchtitan's
+        # stages, and with the split that balances the output projection's work (our best)
+        titan_split = ["--parallelism.pp_layers_per_stage", ",".join(map(str, c.titan_stage_layers()))]
+        balanced = ["--parallelism.pp_layers_per_stage", "balanced"]
+        return [theirs("titan compile", c.group, ["--compile.enable"], profile=True),
+                ours("gt full balanced", c.group, FULL + balanced, profile=True),
+                ours("gt aot_fx_trace full", c.group, FULL + titan_split, profile=True),
+                theirs("titan eager", c.group, []), ours("gt eager", c.group, ["--compile.mode", "eager"] + titan_split)]
     auto = f"{c.group} auto"
     # async_tp and ep_overlap (issue 33) on top of the overlap schedule, beside torchtitan compile with its async TP
     schedule = ["separate_gather_group", "transformer_block_bucketing"] if c.dp_shard > 1 else []

@@ -16,9 +16,10 @@ reduces the per-tensor norms of every stage in the whole model's order (`pipelin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,51 @@ def split_layers(n_layers: int, num_stages: int, per_stage: Sequence[int] | None
     return tuple(tuple(range(start, start + n)) for start, n in zip(starts, counts))
 
 
+BALANCED = "balanced"
+"""`--parallelism.pp_layers_per_stage balanced`: the split `balanced_counts` chooses from each layer's cost."""
+
+
+def balanced_counts(layer_costs: Sequence[float], first_extra: float, last_extra: float, pp: int, num_stages: int) -> list[int]:
+    """Layer counts per stage that balance the work of each pipeline RANK first (a rank's stages run one after
+    another, so the busiest rank sets the step), then of each stage (a stage's neighbours wait for it): the first
+    stage also does `first_extra` (the embedding), the last `last_extra` (final norm, output projection and loss),
+    which is as much as two 8B layers. Starts from the boundaries nearest the even shares of the total cost and
+    moves one boundary by one layer while that lowers (busiest rank, busiest stage)."""
+    n = len(layer_costs)
+    prefix = [0.0]
+    for c in layer_costs:
+        prefix.append(prefix[-1] + c)
+    total = prefix[-1] + first_extra + last_extra
+
+    def nearest(share: float) -> int:
+        return min(range(n + 1), key=lambda j: abs(first_extra + prefix[j] - share))
+
+    bounds = [0] + [nearest(total * k / num_stages) for k in range(1, num_stages)] + [n]
+    for k in range(1, num_stages + 1):
+        bounds[k] = max(bounds[k], bounds[k - 1])
+
+    def key(b: list[int]) -> tuple[float, float]:
+        stage = [prefix[b[k + 1]] - prefix[b[k]] for k in range(num_stages)]
+        stage[0] += first_extra
+        stage[-1] += last_extra
+        ranks = [sum(stage[r::pp]) for r in range(pp)]
+        return max(ranks), max(stage)
+
+    best = key(bounds)
+    improved = True
+    while improved:
+        improved = False
+        for k in range(1, num_stages):
+            for step in (-1, 1):
+                moved = list(bounds)
+                moved[k] += step
+                if not bounds[k - 1] <= moved[k] <= bounds[k + 1]:
+                    continue
+                if key(moved) < best:
+                    bounds, best, improved = moved, key(moved), True
+    return [bounds[k + 1] - bounds[k] for k in range(num_stages)]
+
+
 @dataclass(frozen=True)
 class PipelineLayout:
     pp: int
@@ -93,9 +139,16 @@ class PipelineLayout:
         return names
 
 
-def build_layout(pp: int, schedule: str, microbatches: int, stages_per_rank_: int, layers_per_stage: Sequence[str], n_layers: int) -> PipelineLayout:
+def build_layout(pp: int, schedule: str, microbatches: int, stages_per_rank_: int, layers_per_stage: Sequence[str], n_layers: int,
+                 costs: Callable[[], tuple[list[float], float, float]] | None = None) -> PipelineLayout:
+    """`costs`: (each layer's, the embedding's, the output's) training FLOPs per token, read for a `balanced` split."""
     per_rank = stages_per_rank(schedule, stages_per_rank_)
-    counts = [int(n) for n in layers_per_stage] if layers_per_stage else None
+    if list(layers_per_stage) == [BALANCED]:
+        assert costs is not None, "a balanced split needs the layers' costs"
+        layer_costs, first, last = costs()
+        counts = balanced_counts(layer_costs, first, last, pp, pp * per_rank)
+    else:
+        counts = [int(n) for n in layers_per_stage] if layers_per_stage else None
     layers = split_layers(n_layers, pp * per_rank, counts)
     return PipelineLayout(pp, schedule, microbatches or default_microbatches(pp, per_rank), layers)
 
@@ -166,8 +219,11 @@ class PipelineStep:
     microbatch's forward and backward, gradients add into `param.grad`, and the loss (the sum of the
     scaled microbatch losses, known on the last stage's rank) is broadcast over the pp group."""
 
-    def __init__(self, schedule, layout: PipelineLayout, pp_mesh: DeviceMesh, device: torch.device):
+    def __init__(self, schedule, layout: PipelineLayout, pp_mesh: DeviceMesh, device: torch.device,
+                 around: Callable[[], ContextManager[None]] = contextlib.nullcontext):
+        """`around`: entered for each step (StepGather's gather-once)."""
         self.schedule = schedule
+        self.around = around
         self.layout = layout
         self.group = pp_mesh.get_group()
         self.pp_rank = pp_mesh.get_local_rank()
@@ -176,10 +232,11 @@ class PipelineStep:
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         has_last = self.pp_rank == self.layout.last_rank
         losses: list[torch.Tensor] = []
-        if self.pp_rank == 0:
-            self.schedule.step(inputs, target=labels, losses=losses, return_outputs=False)
-        else:
-            self.schedule.step(target=labels, losses=losses, return_outputs=False)
+        with self.around():
+            if self.pp_rank == 0:
+                self.schedule.step(inputs, target=labels, losses=losses, return_outputs=False)
+            else:
+                self.schedule.step(target=labels, losses=losses, return_outputs=False)
         loss = torch.zeros((), device=self.device)
         if has_last:
             # in microbatch order, as gradient accumulation adds them up
