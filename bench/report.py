@@ -160,9 +160,9 @@ def _bubble_table(results: list[dict]) -> list[str]:
         return []
     lines = ["", "Pipeline bubble of one profiled step on rank 0 (the first stage): kernel span time no compute kernel ran "
                  "(waiting on the other stage, or on exposed communication), from the trace (bench/kernel_mix.py):", "",
-             "| group | run | kernel span ms | compute idle ms | bubble % | exposed comm % |", "|---|---|---|---|---|---|"]
-    return lines + [f"| {r['group']} | {r['name']} | {r['trace_kernel_span_ms']:.1f} | {r['trace_compute_idle_ms']:.1f} | "
-                    f"{100 * r['trace_compute_idle_share']:.1f} | {_exposed(r)} |" for r in rows]
+             "| group | run | layers per stage | kernel span ms | compute idle ms | bubble % | exposed comm % |", "|---|---|---|---|---|---|---|"]
+    return lines + [f"| {r['group']} | {r['name']} | {r.get('pp_stage_layers', '-')} | {r['trace_kernel_span_ms']:.1f} | "
+                    f"{r['trace_compute_idle_ms']:.1f} | {100 * r['trace_compute_idle_share']:.1f} | {_exposed(r)} |" for r in rows]
 
 
 def _compile_table(results: list[dict]) -> list[str]:
