@@ -58,9 +58,10 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._library.fake_class_registry import FakeScriptObject
 from torch.utils import _pytree as pytree
 
-from .passes.compat import CompiledArtifact, FakeTensorMode, ShapeEnv, cpu_vector_isa, detect_fake_mode, triton_version
+from .passes.compat import CompiledArtifact, FakeTensor, FakeTensorMode, ShapeEnv, cpu_vector_isa, triton_version
 
 logger = logging.getLogger("graph_trainer")
 
@@ -85,6 +86,10 @@ def _value(val: Any) -> Any:
         return ("tensor", tuple(val.shape), val.stride(), str(val.dtype), str(val.device))
     if isinstance(val, (list, tuple)):
         return [_value(v) for v in val]
+    if isinstance(val, FakeScriptObject):
+        # an opaque input (a pipeline stage's graph from AOTAutograd has some): the compiled code passes it
+        # through; its repr holds its address, which differs at every start
+        return ("opaque", val.script_class_name)
     return repr(val)
 
 
@@ -158,10 +163,15 @@ def cacheable_inputs(inputs: list[Any]) -> list[Any] | None:
     with mode:
         fresh = pytree.tree_map_only(torch.Tensor, lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
                                                                                  device=x.device), inputs)
-    try:
-        return fresh if detect_fake_mode(fresh) is mode else None
-    except AssertionError:
-        return None
+    return fresh if fake_mode_of(fresh) is mode else None
+
+
+def fake_mode_of(inputs: list[Any]) -> FakeTensorMode | None:
+    """The one fake mode of the fake tensors among `inputs` (None: none, or several). Not torch's
+    `detect_fake_mode`, which answers the ambient tracing context's mode first: a pipeline stage's graph
+    is compiled inside AOTAutograd's, whose mode is not the one these inputs were made in."""
+    modes = {id(t.fake_mode): t.fake_mode for t in pytree.tree_leaves(inputs) if isinstance(t, FakeTensor)}
+    return next(iter(modes.values())) if len(modes) == 1 else None
 
 
 class Refused(Exception):

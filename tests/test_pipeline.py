@@ -191,6 +191,22 @@ def test_moe_pp2_by_ep2_equals_ep2_bitwise():
     _same(cached_train((*common, *pp), nproc=4), reference)
 
 
+@pytest.mark.slow
+def test_traced_stages_load_from_the_compile_cache_on_restart(tmp_path: Path):
+    """Full-Inductor stage graphs go through the compile cache like the whole step's: the first start compiles and
+    stores rank 0's forward and backward graphs, the second loads both and trains bit for bit the same. (The stage
+    graphs are compiled inside AOTAutograd's tracing context, and hold an opaque input whose repr changes at every
+    start: neither may leak into the entry's inputs or key.)"""
+    args = ["--model.n_layers", "4", "--training.batch_size", "4", "--training.seq_len", "64", "--training.steps", "2",
+            "--parallelism.pp", "2", "--parallelism.pp_microbatches", "2", "--compile.mode", "aot_fx_trace",
+            "--compile.inductor_compilation", "full", "--compile.cache_dir", str(tmp_path / "cache")]
+    cold = run_train(args, tmp_path / "cold", nproc=2)
+    warm = run_train(args, tmp_path / "warm", nproc=2)
+    assert (cold[0]["compile_cache"], cold[0]["compile_cache_entries_written"]) == ("miss", 2)
+    assert (warm[0]["compile_cache"], warm[0]["compile_cache_entries_loaded"], warm[0]["compile_cache_entries_written"]) == ("hit", 2, 0)
+    _same(warm, cold)
+
+
 def _resume(saved_by: Path, tmp_path: Path, args: tuple[str, ...], nproc: int) -> list[dict]:
     folder = tmp_path / "resumed"
     shutil.copytree(saved_by, folder)

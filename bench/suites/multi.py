@@ -137,12 +137,17 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
           if c.tp > 1 else []),
         ours(f"gt full {'+'.join(overlap)}", c.group, FULL + ["--compile.passes", ",".join(schedule + overlap)], profile=True),
     ] if overlap else []
+    # MoE with the capacity of configs/deepseek_v3_16b.toml: without a limit each peer's dispatch buffer holds every
+    # routed pair of the rank, ep x torchtitan's all-to-all bytes (0.94x torchtitan compile at dp_shard 4 x ep 4 on
+    # 4 H100s, bench/results/2026-11-27-deepseek-dp4-ep4); at 2.0, 2x, with the drops counted in `dropped_tokens`
+    capacity = [ours("gt full capacity 2", c.group, FULL + ["--parallelism.moe_capacity_factor", "2.0"], profile=True)] if c.ep > 1 else []
     # the best manual configuration: aot_fx_trace, full Inductor and the default multi-rank overlap schedule
     return [
         theirs("titan eager", c.group, []),
         theirs("titan compile", c.group, ["--compile.enable"], profile=True),
         ours("gt eager", c.group, ["--compile.mode", "eager"]),
         ours("gt aot_fx_trace full", c.group, FULL, profile=True),
+        *capacity,
         # the same job started again: its time to first step with the compile cache the cold run filled
         replace(ours("gt full restart", c.group, FULL), warm_from="gt aot_fx_trace full"),
         *overlapped,

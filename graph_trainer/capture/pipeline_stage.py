@@ -84,6 +84,9 @@ class TracedStage(nn.Module):
         stats = self.ctx.stats
         stats["trace_s"] = stats.get("trace_s", 0.0) + time.perf_counter() - t0 - forward.seconds - backward.seconds
         stats["compile_s"] = stats.get("compile_s", 0.0) + forward.seconds + backward.seconds
+        # the passes' figures over every stage of the rank so far (the compile cache's outcome and counts among them)
+        for figures in stats["pass_reports"].values():
+            stats.update(figures)
         return lambda x: compiled(*state, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

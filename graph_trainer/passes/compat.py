@@ -20,7 +20,7 @@ try:
     from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._inductor import CompiledArtifact, standalone_compile
     from torch._inductor.decomposition import select_decomp_table
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
     from torch.fx._lazy_graph_module import _use_lazy_graph_module as lazy_graph_modules
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -71,6 +71,7 @@ def triton_version() -> str:
 
 __all__ = [
     "CompiledArtifact",
+    "FakeTensor",
     "FakeTensorMode",
     "LazyGraphModule",
     "lazy_graph_modules",

@@ -291,7 +291,7 @@ def _compile_whole(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
         # Under no_grad AOTAutograd inside Inductor compiles an inference graph: the backward is already in it.
         # The fake mode comes from the inputs: "from_graph" reads it off the outputs, which fails on an
         # AOTAutograd backward graph whose outputs include None (inputs without a gradient).
-        with torch.no_grad(), tracing(TracingContext(detect_fake_mode(inputs))):
+        with torch.no_grad(), tracing(TracingContext(compile_cache.fake_mode_of(inputs) or detect_fake_mode(inputs))):
             compiled = standalone_compile(gm, inputs, dynamic_shapes="from_tracing_context", options=options)
         if cache is not None:
             written = int(cache.store(key, compiled, parts))
