@@ -17,6 +17,8 @@ from .config import JobConfig
 from .parallel.mesh import Meshes
 from .parallel.pipeline import (PipelineLayout, PipelineStep, build_layout, build_schedule, default_microbatches,
                                 pipeline_total_norm, stage_grads, stage_views, stages_per_rank)
+from .parallel.compat import declared_stage_shapes
+from .parallel.fake_data import FakeNeighbours
 from .parallel.step_gather import StepGather
 
 TRACED_MODES = ("aot_fx_trace", "aot")
@@ -55,6 +57,9 @@ class Pipeline:
             from .capture.pipeline_stage import TracedStage
 
             modules = [TracedStage(v, s, ctx) for v, s in zip(self.views, layout.stages_of(self.pp_rank))]
+        if ctx.cfg.comm.mode == "fake":
+            last = layout.num_stages - 1
+            modules = [FakeNeighbours(m, s == 0, s == last) for m, s in zip(modules, layout.stages_of(self.pp_rank))]
         scale = ctx.loss_scale / layout.microbatches
         loss_fn = ctx.loss_fn
 
@@ -63,6 +68,8 @@ class Pipeline:
 
         schedule = build_schedule(modules, layout, self.meshes.pp, ctx.device, scaled_loss, microbatch, ctx.cfg.training.seq_len,
                                   model_args.dim, model_args.vocab_size, dtype, self.meshes.degrees.tp)
+        if ctx.cfg.comm.mode == "fake":
+            declared_stage_shapes(schedule)
         gather = StepGather(ctx.model) if ctx.cfg.parallelism.pp_gather == "step" else None
         self.step = PipelineStep(schedule, layout, self.meshes.pp, ctx.device, gather or contextlib.nullcontext)
         self.ep_enabled = self.meshes.degrees.ep > 1

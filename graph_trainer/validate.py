@@ -404,7 +404,6 @@ def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
         return
     unsupported = [
         (cfg.compile.autoparallel, "--compile.autoparallel (the solver places whole-model graphs)"),
-        (cfg.comm.mode == "fake", "--comm.mode fake"),
         (cfg.compile.mode == "jit", "--compile.mode jit"),
         (cfg.compile.optimizer_in_graph, "--compile.optimizer_in_graph"),
         (t.loss == "fused_linear_ce", "--training.loss fused_linear_ce (the output projection is in the last stage's graph)"),

@@ -74,3 +74,19 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
 def in_backward() -> bool:
     """Whether this code runs inside a backward pass of autograd's engine (e.g. a checkpointed block's recomputation)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def declared_stage_shapes(schedule) -> None:
+    """Run `schedule`'s stages on the input and output shapes they were built with. torch 2.13's schedule first
+    votes over P2P whether every stage declared them, and infers them over P2P where one did not; on the fake
+    process group the vote receives a 0 and the inference reads a garbage size, so a fake pipeline rank sets the
+    outcome (every stage here declares its shapes). Torch without the vote (2.11) uses the declared shapes."""
+    if not hasattr(schedule, "_warmup_p2p"):
+        return
+    from torch.distributed.pipelining.stage import InferenceMode
+
+    def warmup(stages, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = warmup

@@ -141,3 +141,34 @@ def restore_collectives() -> None:
     """Undo `fill_collective_outputs` (before a real process group is made in this process)."""
     while _libraries:
         _libraries.pop()._destroy()
+
+
+class _RandomGrad(torch.autograd.Function):
+    """Identity forward; backward: a random gradient in place of the one a real next stage would send."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.randn_like(grad)
+
+
+class FakeNeighbours(torch.nn.Module):
+    """A pipeline stage of a fake run (`--comm.mode fake` with pp): the neighbouring stages' ranks are not there,
+    so the P2P receives of its input activations and of its output gradients move no data and leave the
+    schedule's buffers as allocated. A stage that receives its input fills it with random values, and one that
+    sends its output on gets a random gradient for it: finite, non-degenerate operands for its kernels, as
+    `fill_collective_outputs` gives the collectives."""
+
+    def __init__(self, stage: torch.nn.Module, first: bool, last: bool):
+        super().__init__()
+        self.stage, self.first, self.last = stage, first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.first:
+            with torch.no_grad():
+                x.normal_()
+        out = self.stage(x)
+        return out if self.last else _RandomGrad.apply(out)
