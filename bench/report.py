@@ -92,15 +92,19 @@ def _runs_table(results: list[dict]) -> list[str]:
     return lines
 
 
+def _table(intro: str, columns: list[str], rows: list[str]) -> list[str]:
+    """A titled markdown table; nothing without rows."""
+    if not rows:
+        return []
+    return ["", intro, "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|", *rows]
+
+
 def _solver_table(results: list[dict]) -> list[str]:
     predicted = [r for r in results if r.get("predicted_step_s") and r.get("step_time_s")]
-    if not predicted:
-        return []
-    lines = ["", "Auto-placed runs: the solver's predicted step (compute + optimizer + serial communication, "
-                 "plan.json) against the measured median step:", "",
-             "| run | predicted ms | measured ms | predicted / measured |", "|---|---|---|---|"]
-    return lines + [f"| {r['name']} | {1e3 * r['predicted_step_s']:.1f} | {1e3 * r['step_time_s']:.1f} | "
-                    f"{r['predicted_step_s'] / r['step_time_s']:.2f} |" for r in predicted]
+    return _table("Auto-placed runs: the solver's predicted step (compute + optimizer + serial communication, plan.json) against "
+                  "the measured median step:", ["run", "predicted ms", "measured ms", "predicted / measured"],
+                  [f"| {r['name']} | {1e3 * r['predicted_step_s']:.1f} | {1e3 * r['step_time_s']:.1f} | "
+                   f"{r['predicted_step_s'] / r['step_time_s']:.2f} |" for r in predicted])
 
 
 def _fake(r: dict) -> bool:
@@ -156,13 +160,11 @@ def _pipelined(r: dict) -> bool:
 def _bubble_table(results: list[dict]) -> list[str]:
     """Pipeline runs, profiled: the part of the step no compute kernel ran on rank 0 (the first stage), from its trace."""
     rows = [r for r in results if _pipelined(r) and r.get("trace_compute_idle_ms") is not None]
-    if not rows:
-        return []
-    lines = ["", "Pipeline bubble of one profiled step on rank 0 (the first stage): kernel span time no compute kernel ran "
-                 "(waiting on the other stage, or on exposed communication), from the trace (bench/kernel_mix.py):", "",
-             "| group | run | layers per stage | kernel span ms | compute idle ms | bubble % | exposed comm % |", "|---|---|---|---|---|---|---|"]
-    return lines + [f"| {r['group']} | {r['name']} | {r.get('pp_stage_layers', '-')} | {r['trace_kernel_span_ms']:.1f} | "
-                    f"{r['trace_compute_idle_ms']:.1f} | {100 * r['trace_compute_idle_share']:.1f} | {_exposed(r)} |" for r in rows]
+    return _table("Pipeline bubble of one profiled step on rank 0 (the first stage): kernel span time no compute kernel ran "
+                  "(waiting on the other stage, or on exposed communication), from the trace (bench/kernel_mix.py):",
+                  ["group", "run", "layers per stage", "kernel span ms", "compute idle ms", "bubble %", "exposed comm %"],
+                  [f"| {r['group']} | {r['name']} | {r.get('pp_stage_layers', '-')} | {r['trace_kernel_span_ms']:.1f} | "
+                   f"{r['trace_compute_idle_ms']:.1f} | {100 * r['trace_compute_idle_share']:.1f} | {_exposed(r)} |" for r in rows])
 
 
 def _compile_table(results: list[dict]) -> list[str]:

@@ -14,11 +14,11 @@ from torch import nn
 from .capture.registry import CaptureContext
 from .clipping import is_expert_grad, join_norms
 from .config import JobConfig
+from .parallel.compat import declared_stage_shapes
+from .parallel.fake_data import FakeNeighbours
 from .parallel.mesh import Meshes
 from .parallel.pipeline import (PipelineLayout, PipelineStep, build_layout, build_schedule, default_microbatches,
                                 pipeline_total_norm, stage_grads, stage_views, stages_per_rank)
-from .parallel.compat import declared_stage_shapes
-from .parallel.fake_data import FakeNeighbours
 from .parallel.step_gather import StepGather
 
 TRACED_MODES = ("aot_fx_trace", "aot")
