@@ -92,6 +92,13 @@ def pass_context(ctx: CaptureContext, gm: fx.GraphModule, example_inputs: Sequen
     )
 
 
+def report_passes(stats: dict) -> None:
+    """Copy the passes' figures of every capture so far (the compile cache's outcome and counts among them)
+    into the stats the step-1 record shows."""
+    for figures in stats["pass_reports"].values():
+        stats.update(figures)
+
+
 def _drop_recompute_tags(gm: fx.GraphModule) -> None:
     """The partitioner has acted on the activation-checkpoint tags (resharding, selective AC). Left on
     a stage graph, Inductor would rematerialise from them a second time, and refuses when a scheduling
@@ -179,8 +186,7 @@ class AotStep:
         # Export and partitioning count as tracing; the joint passes and the stage compilers as compiling.
         stage_s = forward.seconds + backward.seconds
         self.ctx.stats.update(trace_s=(t1 - t0) + (t3 - t2 - stage_s), compile_s=(t2 - t1) + stage_s, graph=dumper.stages)
-        for figures in self.ctx.stats["pass_reports"].values():
-            self.ctx.stats.update(figures)
+        report_passes(self.ctx.stats)
         return lambda inputs, labels: compiled(*state, inputs, labels)
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

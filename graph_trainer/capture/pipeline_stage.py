@@ -33,7 +33,7 @@ from ..models import traceable_attention
 from ..passes.memory_policy import activation_passes
 from ..passes.reshard import parameter_passes
 from ..passes.registry import apply_passes
-from .aot import StageCompiler, dump_folder, pass_context
+from .aot import StageCompiler, dump_folder, pass_context, report_passes
 from .compat import aot_compile_joint_with_descriptors, aot_export_joint_with_descriptors, min_cut_partition
 from .registry import CaptureContext
 
@@ -84,9 +84,7 @@ class TracedStage(nn.Module):
         stats = self.ctx.stats
         stats["trace_s"] = stats.get("trace_s", 0.0) + time.perf_counter() - t0 - forward.seconds - backward.seconds
         stats["compile_s"] = stats.get("compile_s", 0.0) + forward.seconds + backward.seconds
-        # the passes' figures over every stage of the rank so far (the compile cache's outcome and counts among them)
-        for figures in stats["pass_reports"].values():
-            stats.update(figures)
+        report_passes(stats)
         return lambda x: compiled(*state, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,10 @@ gradient, as SimpleFSDP's backward would have.
 Memory: the rank's stage parameters held unsharded through the step, in the compute dtype, and their fp32
 accumulated gradients: 6 bytes a parameter with bf16 compute. torchtitan's FSDP2 under pipelining peaked
 13.3 GiB lower at llama3 8B-16L, pp 2 x dp_shard 2 on 4 H100s, where this step ran 1.11x faster
-(bench/results/2026-11-27-pipeline). Numerics: the gradients are summed over microbatches, then averaged over ranks, where the
-per-microbatch reduce-scatter averages first; both in fp32, equal up to the order of the additions.
+(bench/results/2026-11-27-pipeline).
+
+Numerics: the gradients are summed over microbatches, then averaged over ranks, where the per-microbatch
+reduce-scatter averages first; both in fp32, equal up to the order of the additions.
 """
 
 from __future__ import annotations
