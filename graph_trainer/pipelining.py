@@ -66,8 +66,10 @@ class Pipeline:
         def scaled_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             return loss_fn(output, labels) * scale
 
+        # an auto-placed stage hands on its output in the token batch's layout, whole sequences (autoparallel.entry)
+        sequence_shards = 1 if ctx.cfg.compile.autoparallel else self.meshes.degrees.tp
         schedule = build_schedule(modules, layout, self.meshes.pp, ctx.device, scaled_loss, microbatch, ctx.cfg.training.seq_len,
-                                  model_args.dim, model_args.vocab_size, dtype, self.meshes.degrees.tp)
+                                  model_args.dim, model_args.vocab_size, dtype, sequence_shards)
         if ctx.cfg.comm.mode == "fake":
             declared_stage_shapes(schedule)
         gather = StepGather(ctx.model) if ctx.cfg.parallelism.pp_gather == "step" else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
@@ -16,15 +16,19 @@ from .config import JobConfig
 from .models import ModelSpec
 from .parallel import parallelize
 from .parallel.mesh import Meshes
+from .parallel.pipeline import PipelineLayout
 from .parallel.simple_fsdp import MixedPrecision
 from .passes.ep_overlap import moe_chunks
 
 
-def place_model(model: nn.Module, spec: ModelSpec, args: Any, meshes: Meshes, mp: MixedPrecision, cfg: JobConfig) -> nn.Module:
+def place_model(model: nn.Module, spec: ModelSpec, args: Any, meshes: Meshes, mp: MixedPrecision, cfg: JobConfig,
+                layout: PipelineLayout | None = None, build: Callable[[], nn.Module] | None = None) -> nn.Module:
+    """`layout`: the pipeline's stages, of which `model` holds this rank's; `build`: a whole meta-device model
+    like `model` was before pruning (the solver plans every stage: autoparallel.entry.place)."""
     if cfg.compile.autoparallel:
         from .autoparallel.entry import place
 
-        return place(model, spec, args, meshes, mp, cfg)
+        return place(model, spec, args, meshes, mp, cfg, layout, build)
     return parallelize(model, spec, meshes, mp, cfg.parallelism.moe_capacity_factor, moe_chunks(cfg))
 
 

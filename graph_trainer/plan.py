@@ -18,8 +18,6 @@ from .config import ConfigError, JobConfig, parse_args
 def make_plan(cfg: JobConfig) -> dict[str, Any]:
     """Solve on a fake process group standing for the mesh; returns the plan (what plan.json holds)."""
     p = cfg.parallelism
-    if p.pp > 1:
-        raise ConfigError(f"graph-trainer plan places whole-model graphs; it does not plan pipeline stages yet: drop --parallelism.pp {p.pp}")
     if p.dp_shard == -1:
         raise ConfigError("graph-trainer plan needs the mesh spelled out: pass --parallelism.dp_shard N (and tp, dp_replicate)")
     if cfg.compile.autoparallel_impl != "builtin":
@@ -29,18 +27,19 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     cfg.compile.autoparallel_plan = ""
     from .validate import validate
 
-    degrees = validate(cfg, world_size=p.dp_replicate * p.dp_shard * p.tp, device_type="cuda")
+    degrees = validate(cfg, world_size=p.dp_replicate * p.dp_shard * p.tp * p.pp, device_type="cuda")
 
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
     from . import models
     from .autoparallel import compat
-    from .autoparallel.entry import mesh_info, param_dtype_for, solve
+    from .autoparallel.entry import mesh_info, param_dtype_for, solve, solve_stages
     from .autoparallel.moe import prepare_model
     from .data.tokenizer import build_tokenizer, document_separator
     from .hardware import select
     from .parallel.compat import init_fake_process_group
+    from .pipelining import layout_of
 
     info = mesh_info(degrees)
     init_fake_process_group(math.prod(info.shape))
@@ -48,10 +47,19 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     solver_mesh = init_device_mesh("cpu", info.sizes, mesh_dim_names=info.solver_names) if info.sizes else None
     spec = models.get_spec(cfg.model.name)
     args = spec.job_args(cfg)
-    model = models.build_on_meta(spec, args, "cpu")
-    models.install_attention_masks(model, document_separator(build_tokenizer(cfg.model.tokenizer_path or None)))
-    prepare_model(model)
+    separator = document_separator(build_tokenizer(cfg.model.tokenizer_path or None))
+
+    def build() -> torch.nn.Module:
+        model = models.build_on_meta(spec, args, "cpu")
+        models.install_attention_masks(model, separator)
+        return model
+
     hw = select(cfg.compile.hardware, torch.device("cuda"))
+    layout = layout_of(cfg, args.n_layers, lambda: models.stage_costs(args, build(), cfg.training.seq_len))
+    if layout is not None:
+        return solve_stages(cfg, args, layout, build, info, solver_mesh, torch.device("cpu"), param_dtype_for(cfg, "cuda"), hw)
+    model = build()
+    prepare_model(model)
     return solve(cfg, model, args, info, solver_mesh, torch.device("cpu"), param_dtype_for(cfg, "cuda"), hw)
 
 
@@ -85,7 +93,8 @@ def cmd_plan(argv: list[str]) -> int:
         print(f"comparison written to {plan_compare.write(result, cfg.job.dump_folder)}")
         return 0
     plan = make_plan(cfg)
-    print(f"graph-trainer plan: {cfg.model.name} {cfg.model.flavor} on {math.prod(plan['mesh']['shape'])} ranks")
+    ranks = math.prod(plan["mesh"]["shape"]) * plan.get("pipeline", {"pp": 1})["pp"]
+    print(f"graph-trainer plan: {cfg.model.name} {cfg.model.flavor} on {ranks} ranks")
     print(report.render(plan))
     print(f"plan written to {report.write(plan, cfg.job.dump_folder)}")
     return 0

@@ -193,13 +193,17 @@ class GraphTrainer:
         reference = models.build_on_meta(spec, args, self.device.type)
         mp = MixedPrecision.from_config(cfg.training, self.device.type)
         placement_start = time.perf_counter()
-        model = models.build_on_meta(spec, args, self.device.type)
-        # before placement: the solver traces the forward with the masks the model builds from its tokens
-        models.install_attention_masks(model, document_separator(self.tokenizer))
+        def build() -> torch.nn.Module:
+            model = models.build_on_meta(spec, args, self.device.type)
+            # before placement: the solver traces the forward with the masks the model builds from its tokens
+            models.install_attention_masks(model, document_separator(self.tokenizer))
+            return model
+
+        model = build()
         layout = layout_of(cfg, args.n_layers, lambda: models.stage_costs(args, reference, t.seq_len))
         if layout is not None:
             prune_to_rank(model, layout, self.meshes.pp.get_local_rank())
-        self.model = place_model(model, spec, args, self.meshes, mp, cfg)
+        self.model = place_model(model, spec, args, self.meshes, mp, cfg, layout, build)
         placement_s = time.perf_counter() - placement_start
         if t.deterministic and self.device.type == "cuda":
             models.drop_cudnn_attention(self.model)

@@ -320,9 +320,6 @@ def check_autoparallel(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> No
         check_plan_file(c.autoparallel_plan, cfg, degrees)
 
 
-_CHECKS_AFTER_MESH += (check_autoparallel,)
-
-
 def check_initial_load_and_writers(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
     """--checkpoint.initial_load_path (an HF checkpoint of this architecture and size, or one of our DCP
     step folders of this model), --checkpoint.last_save_in_hf and --metrics.enable_wandb."""
@@ -403,7 +400,8 @@ def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
                               "add --parallelism.pp N (N > 1)")
         return
     unsupported = [
-        (cfg.compile.autoparallel, "--compile.autoparallel (the solver places whole-model graphs)"),
+        (cfg.compile.autoparallel and cfg.compile.autoparallel_impl == "meta",
+         "--compile.autoparallel_impl meta (Meta's AutoParallel places whole-model graphs; the built-in solver places stages)"),
         (cfg.compile.mode == "jit", "--compile.mode jit"),
         (cfg.compile.optimizer_in_graph, "--compile.optimizer_in_graph"),
         (t.loss == "fused_linear_ce", "--training.loss fused_linear_ce (the output projection is in the last stage's graph)"),
@@ -448,4 +446,5 @@ def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
                           f"{degrees[0] * degrees[1] * t.gradient_accumulation_steps * micro}, or another --parallelism.pp_microbatches")
 
 
-_CHECKS_AFTER_MESH += (check_pipeline,)
+# the plan file is held against the pipeline's stages, which check_pipeline makes sure exist
+_CHECKS_AFTER_MESH += (check_pipeline, check_autoparallel)

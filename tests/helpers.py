@@ -39,8 +39,18 @@ def run_train(args: list[str], dump_folder: Path, nproc: int = 1, timeout: int =
     """Train and return the metrics records; fails the test with the run's output tail on error."""
     proc = launch(["train", "--job.dump_folder", str(dump_folder), *args], nproc=nproc, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(f"run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{_fatal(proc.stderr)}{proc.stderr[-5000:]}")
     return read_metrics(dump_folder)
+
+
+def _fatal(stderr: str) -> str:
+    """A crashed rank's Python stacks (faulthandler's report), which the list of extension modules after them
+    and torchrun's summary push out of the output's tail."""
+    start = stderr.find("Fatal Python error")
+    if start < 0:
+        return ""
+    end = stderr.find("Extension modules", start)
+    return stderr[start:end if end > 0 else start + 6000] + "\n...\n"
 
 
 def losses(records: list[dict]) -> list[float]:

@@ -249,11 +249,11 @@ def test_resume_pp1_checkpoint_on_pp2(tmp_path: Path):
     (["--model.n_layers", "5"], 2, "5 layers do not split evenly into 2 stages"),
     (["--parallelism.pp_microbatches", "1"], 2, "needs at least 2 microbatches"),
     (["--training.batch_size", "6", "--parallelism.pp_microbatches", "4"], 2, "does not split into 4 pipeline microbatches"),
-    (["--compile.autoparallel"], 2, "does not combine with --compile.autoparallel"),
+    (["--compile.autoparallel", "--compile.autoparallel_impl", "meta"], 2, "does not combine with --compile.autoparallel_impl meta"),
     (["--validation.enable", "--validation.split", "0.1"], 2, "does not combine with --validation.enable"),
     (["--parallelism.pp_schedule", "InterleavedZeroBubble", "--model.n_layers", "4"], 2,
      "InterleavedZeroBubble with --compile.mode aot_fx_trace"),
-], ids=["layers", "microbatches", "batch", "autoparallel", "validation", "zero_bubble_traced"])
+], ids=["layers", "microbatches", "batch", "meta_placement", "validation", "zero_bubble_traced"])
 def test_refusals_are_one_line_exit_2(flags, world_size, needle, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")
@@ -269,9 +269,8 @@ def test_refusals_are_one_line_exit_2(flags, world_size, needle, tmp_path, monke
     assert lines[0].startswith("[rank 0] graph-trainer: error: ") and needle in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("command", ["plan", "precompile"])
-def test_plan_and_precompile_refuse_pp(command, tmp_path, capsys):
-    code = cli.main([command, "--job.dump_folder", str(tmp_path), "--parallelism.pp", "2", "--parallelism.dp_shard", "2"])
+def test_precompile_refuses_pp(tmp_path, capsys):
+    code = cli.main(["precompile", "--job.dump_folder", str(tmp_path), "--parallelism.pp", "2", "--parallelism.dp_shard", "2"])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "drop --parallelism.pp 2" in lines[0], lines
 

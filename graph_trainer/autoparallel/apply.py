@@ -33,7 +33,7 @@ from ..models import sdpa_wrappers
 from . import compat, flex, moe
 from .planner import DP_DIMS, canonical_op
 from .strategies import Strategy, placement_of
-from .trace import ModelTrace, UnitGraph, tensor_at
+from .trace import BATCH_LAID, ModelTrace, UnitGraph, tensor_at
 
 
 def _placements(spec: list[str], mesh_names: list[str], solver_dims: list[str]) -> tuple:
@@ -156,7 +156,7 @@ class UnitRunner:
         for j, (pos, ph) in enumerate(zip(unit.input_positions, phs[n_p + n_b :])):
             t = tensor_at(args, kwargs, pos)
             if not isinstance(t, DTensor):
-                t = self._wrap(t, self.batch if self.input_kinds[j] == "input" else self.replicate)
+                t = self._wrap(t, self.batch if self.input_kinds[j] in BATCH_LAID else self.replicate)
             traced = ph.meta["val"].shape
             if t.shape != traced:
                 # The traced ops carry the traced shapes (views, masks): another shape would run them on wrong data.
@@ -319,12 +319,15 @@ def _running_class(cls: type) -> type:
     return _RUNNING_CLASSES[cls]
 
 
-def apply_plan(model: nn.Module, plan: dict, trace: ModelTrace, mesh: DeviceMesh, mp: Any, moe_capacity_factor: float = 0.0) -> nn.Module:
+def apply_plan(model: nn.Module, plan: dict, trace: ModelTrace, mesh: DeviceMesh, mp: Any, moe_capacity_factor: float = 0.0,
+               loss_follows: bool = True) -> nn.Module:
     """Place a meta-device `model` (traced into `trace` on this device) as `plan` says; its MoE
-    modules (moe.prepare_model) get the dispatch of their routed experts' strategy."""
+    modules (moe.prepare_model) get the dispatch of their routed experts' strategy. `loss_follows`: the
+    model's output goes into the loss, whose per-rank mean makes the output's gradient dp times too large;
+    False for a pipeline stage that hands its output to the next one (that gradient arrives already scaled)."""
     names = list(mesh.mesh_dim_names)
     solver_dims = plan["mesh"]["solver_dims"]
-    dp_degree = math.prod(mesh.size(i) for i, n in enumerate(names) if n in DP_DIMS)
+    dp_degree = math.prod(mesh.size(i) for i, n in enumerate(names) if n in DP_DIMS) if loss_follows else 1
     by_first = {u["modules"][0]: u for u in plan["units"]}
     final_module = trace.calls[trace.output.call].module
     input_kinds: dict[int, list[str]] = {}

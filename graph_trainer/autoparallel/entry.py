@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -12,11 +13,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import ConfigError, JobConfig
+from ..parallel.pipeline import PipelineLayout, build_layout, prune_to_rank, stage_views
 from ..parallel.simple_fsdp import MixedPrecision
 from ..hardware import Hardware, select
 from ..units import GiB, parse_memory_budget
 from . import report
 from .memory import ActivationPolicy
+from .moe import prepare_model
 from .planner import MeshInfo, Settings, plan_model
 
 PLAN_VERSION = 1
@@ -55,15 +58,54 @@ def model_identity(cfg: JobConfig, args: Any) -> dict[str, Any]:
     return {"name": cfg.model.name, "flavor": cfg.model.flavor, "arch": describe(args)}
 
 
+def traced_batch(cfg: JobConfig, layout: PipelineLayout | None = None) -> tuple[int, int]:
+    """The global (batch, seq) one call of the model (or of a pipeline stage) sees: a gradient-accumulation
+    microbatch, split again into the pipeline schedule's microbatches."""
+    t = cfg.training
+    return (t.batch_size // t.gradient_accumulation_steps // (layout.microbatches if layout else 1), t.seq_len)
+
+
 def solve(cfg: JobConfig, model: nn.Module, args: Any, info: MeshInfo, solver_mesh: DeviceMesh | None,
           device: torch.device, param_dtype: torch.dtype, hw: Hardware) -> dict[str, Any]:
     """Trace on `device` and solve, priced on `hw` (the job's devices, which `graph-trainer plan` does not have)."""
-    t = cfg.training
-    batch = (t.batch_size // t.gradient_accumulation_steps, t.seq_len)
+    batch = traced_batch(cfg)
     plan = plan_model(model, batch, param_dtype, device, info, solver_mesh, solver_settings(cfg, model, hw)).data
     plan["model"] = model_identity(cfg, args)
     plan["batch"] = {"global_microbatch": list(batch), "param_dtype": str(param_dtype).removeprefix("torch.")}
     return plan
+
+
+def _stage_of(model: nn.Module, layout: PipelineLayout, stage: int) -> nn.Module:
+    """Stage `stage` of a whole meta-device model, as its pipeline rank holds it (the model is pruned in place)."""
+    pp_rank = stage % layout.pp
+    prune_to_rank(model, layout, pp_rank)
+    return stage_views(model, layout, pp_rank)[layout.stages_of(pp_rank).index(stage)]
+
+
+def solve_stages(cfg: JobConfig, args: Any, layout: PipelineLayout, build: Callable[[], nn.Module], info: MeshInfo,
+                 solver_mesh: DeviceMesh | None, device: torch.device, param_dtype: torch.dtype, hw: Hardware) -> dict[str, Any]:
+    """A pipeline job's plan: every stage solved apart, on its own graph (`build()` gives a whole meta-device
+    model to cut it from) over the mesh of one pipeline rank, for one schedule microbatch. A stage's input and
+    output are laid out like the token batch, as the schedule sends them between ranks: the first stage takes
+    the tokens, the others the previous stage's activations (trace.Source `activations`)."""
+    batch = traced_batch(cfg, layout)
+    stages = []
+    for s in range(layout.num_stages):
+        stage = _stage_of(build(), layout, s)
+        prepare_model(stage)
+        # the step runs the stage once per schedule microbatch (the memory row still counts one microbatch's
+        # activations, where 1F1B keeps up to pp microbatches' in flight on the first stage)
+        settings = solver_settings(cfg, stage, hw)
+        settings = dataclasses.replace(settings, microbatches=settings.microbatches * layout.microbatches)
+        plan = plan_model(stage, batch, param_dtype, device, info, solver_mesh, settings, activations=args.dim if s else 0).data
+        plan["batch"] = {"global_microbatch": list(batch), "param_dtype": str(param_dtype).removeprefix("torch.")}
+        stages.append(plan)
+    return {"version": PLAN_VERSION, "model": model_identity(cfg, args), "mesh": stages[0]["mesh"],
+            "pipeline": pipeline_identity(layout), "stages": stages}
+
+
+def pipeline_identity(layout: PipelineLayout) -> dict[str, Any]:
+    return {"pp": layout.pp, "schedule": layout.schedule, "microbatches": layout.microbatches, "layers": [list(s) for s in layout.layers]}
 
 
 def solver_settings(cfg: JobConfig, model: nn.Module, hw: Hardware) -> Settings:
@@ -113,8 +155,13 @@ def check_plan_file(path: str, cfg: JobConfig, degrees: Any) -> dict[str, Any]:
             f"compile.autoparallel_plan {path} was made for mesh (dp_replicate, dp_shard, tp) = {tuple(plan['mesh'].get('shape', []))}, "
             f"not {tuple(shape)}; run `graph-trainer plan` with these --parallelism degrees"
         )
+    made, want = plan.get("pipeline"), _pipeline_of(cfg, spec, args)
+    if made != want:
+        raise ConfigError(f"compile.autoparallel_plan {path} was made for {_pipeline_words(made)}, not {_pipeline_words(want)}; "
+                          "run `graph-trainer plan` with these --parallelism flags")
     ep = cfg.parallelism.ep
-    unpinned = [name for name, m in plan.get("moe", {}).items() if (m["expert_parallel"] or {}).get("degree", 1) != ep]
+    unpinned = [name for stage in plan.get("stages", [plan]) for name, m in stage.get("moe", {}).items()
+                if (m["expert_parallel"] or {}).get("degree", 1) != ep]
     if ep > 1 and unpinned:
         raise ConfigError(
             f"compile.autoparallel_plan {path} does not split the routed experts of {unpinned[0]} over {EP_DIM} as "
@@ -123,13 +170,34 @@ def check_plan_file(path: str, cfg: JobConfig, degrees: Any) -> dict[str, Any]:
     return plan
 
 
-def place(model: nn.Module, spec: Any, args: Any, meshes: Any, mp: Any, cfg: JobConfig) -> nn.Module:
+def _pipeline_of(cfg: JobConfig, spec: Any, args: Any) -> dict[str, Any] | None:
+    """The pipeline identity (`pipeline_identity`) of the job's flags; None without pipelining."""
+    from .. import models
+
+    p = cfg.parallelism
+    if p.pp == 1:
+        return None
+    costs = lambda: models.stage_costs(args, models.build_on_meta(spec, args, "cpu"), cfg.training.seq_len)  # noqa: E731
+    return pipeline_identity(build_layout(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank, p.pp_layers_per_stage,
+                                          args.n_layers, costs))
+
+
+def _pipeline_words(pipeline: dict[str, Any] | None) -> str:
+    if pipeline is None:
+        return "no pipeline (--parallelism.pp 1)"
+    return (f"--parallelism.pp {pipeline['pp']} {pipeline['schedule']}, {pipeline['microbatches']} microbatches, stage layer counts "
+            + ",".join(str(len(s)) for s in pipeline["layers"]))
+
+
+def place(model: nn.Module, spec: Any, args: Any, meshes: Any, mp: Any, cfg: JobConfig, layout: PipelineLayout | None = None,
+          build: Callable[[], nn.Module] | None = None) -> nn.Module:
     """The trainer's entry: solve (rank 0, broadcast) or load the plan, then apply it; or let Meta's
-    AutoParallel do both (`--compile.autoparallel_impl meta`)."""
+    AutoParallel do both (`--compile.autoparallel_impl meta`). With pipelining (`layout`), `model` holds this
+    pipeline rank's stages and each is placed by its stage's plan; rank 0 solves every stage, on models
+    `build()` gives (whole, on the meta device, ready to trace)."""
     degrees = meshes.degrees
     info = mesh_info((degrees.dp_replicate, degrees.dp_shard, degrees.tp, degrees.ep))
-    t = cfg.training
-    batch = (t.batch_size // t.gradient_accumulation_steps, t.seq_len)
+    batch = traced_batch(cfg, layout)
     device = meshes.dense.device_type
     device = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
     hw = select(cfg.compile.hardware, device)
@@ -145,7 +213,6 @@ def place(model: nn.Module, spec: Any, args: Any, meshes: Any, mp: Any, cfg: Job
     from ..parallel.compat import is_fake_process_group, is_lead_process
     from .apply import apply_plan
     from .compat import register_cpu_attention_strategies
-    from .moe import prepare_model
     from .trace import trace_model
 
     register_cpu_attention_strategies()
@@ -156,11 +223,22 @@ def place(model: nn.Module, spec: Any, args: Any, meshes: Any, mp: Any, cfg: Job
         box: list[Any] = [None]
         if is_lead_process():
             solver_mesh = meshes.dense[info.solver_names] if info.solver_names else None
-            box[0] = solve(cfg, model, args, info, solver_mesh, device, mp.param_dtype, hw)
+            if layout is None:
+                box[0] = solve(cfg, model, args, info, solver_mesh, device, mp.param_dtype, hw)
+            else:
+                assert build is not None, "rank 0 solves every pipeline stage on models of its own"
+                box[0] = solve_stages(cfg, args, layout, build, info, solver_mesh, device, mp.param_dtype, hw)
             # beside metrics.jsonl, so that a run's predicted step can be held against its measured one
             report.write(box[0], cfg.job.dump_folder)
         if dist.is_initialized() and dist.get_world_size() > 1 and not is_fake_process_group():
             dist.broadcast_object_list(box, src=0)
         plan = box[0]
-    trace = trace_model(model, batch, mp.param_dtype, device)
-    return apply_plan(model, plan, trace, meshes.dense, mp, cfg.parallelism.moe_capacity_factor)
+    if layout is None:
+        trace = trace_model(model, batch, mp.param_dtype, device)
+        return apply_plan(model, plan, trace, meshes.dense, mp, cfg.parallelism.moe_capacity_factor)
+    pp_rank = meshes.pp.get_local_rank()
+    last = layout.num_stages - 1
+    for stage, index in zip(stage_views(model, layout, pp_rank), layout.stages_of(pp_rank)):
+        trace = trace_model(stage, batch, mp.param_dtype, device, args.dim if index else 0)
+        apply_plan(stage, plan["stages"][index], trace, meshes.dense, mp, cfg.parallelism.moe_capacity_factor, loss_follows=index == last)
+    return model

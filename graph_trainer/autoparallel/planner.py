@@ -27,7 +27,7 @@ from .memory import ActivationPolicy, gathered_params_bytes
 from .plan_format import FOLLOW, Plan, canonical_op, unit_pattern, units_and_params
 from .step_time import UnitTimes, overlapped_step
 from .strategies import NodeStrategies, Spec, Strategy, StrategyEnumerator, candidate_specs, shard_factor, tensor_args, tensor_outputs
-from .trace import ModelTrace
+from .trace import BATCH_LAID, DIFFERENTIABLE, ModelTrace
 
 aten = torch.ops.aten
 
@@ -212,7 +212,7 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
     unit_requires_grad: dict[tuple[int, int], bool] = defaultdict(bool)
     for c in trace.calls:
         for j, src in enumerate(c.sources):
-            unit_requires_grad[(c.kind, j)] |= src.kind == "unit"
+            unit_requires_grad[(c.kind, j)] |= src.kind in DIFFERENTIABLE
 
     placeholders: dict[tuple[int, int], int] = {}
     placeholder_bytes: dict[tuple[int, int], float] = {}
@@ -344,7 +344,7 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
             else:
                 key = (src.kind, src.name)
                 if key not in sources:
-                    spec = batch if src.kind == "input" else one
+                    spec = batch if src.kind in BATCH_LAID else one
                     sources[key] = b.add_node([Strategy((spec,), ())], [0.0], (-1, f"{src.kind}:{src.name}"))
                 v = _Value(sources[key], 0, placeholder_bytes[(c.kind, j)], None, ())
             cross[(v.node, v.out, dst)] += 1
@@ -519,12 +519,13 @@ def _make_plan(trace: ModelTrace, b: _Builder, sol: program.Solution, unit_nodes
 
 
 def plan_model(model: torch.nn.Module, batch_shape: tuple[int, int], param_dtype: torch.dtype, device: torch.device,
-               mesh: MeshInfo, solver_mesh: DeviceMesh | None, settings: Settings) -> Plan:
-    """Trace a meta-device model and solve its placement on `mesh`."""
+               mesh: MeshInfo, solver_mesh: DeviceMesh | None, settings: Settings, activations: int = 0) -> Plan:
+    """Trace a meta-device model (a pipeline stage taking `activations`-wide input: trace.trace_model) and
+    solve its placement on `mesh`."""
     from .trace import trace_model
 
     t0 = time.perf_counter()
-    trace = trace_model(model, batch_shape, param_dtype, device)
+    trace = trace_model(model, batch_shape, param_dtype, device, activations)
     t1 = time.perf_counter()
     plan = build_and_solve(trace, mesh, solver_mesh, settings)
     plan.data["program"]["trace_s"] = t1 - t0

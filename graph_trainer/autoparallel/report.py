@@ -22,6 +22,18 @@ def _spec(spec: list[str], dims: list[str]) -> str:
 
 
 def render(plan: dict[str, Any]) -> str:
+    if "stages" not in plan:
+        return _render_one(plan)
+    pipe = plan["pipeline"]
+    parts = [f"pipeline: pp {pipe['pp']}, {pipe['schedule']}, {pipe['microbatches']} microbatches; each stage placed on the "
+             "mesh of its pipeline rank, its input and output laid out like the token batch"]
+    for s, (layers, stage) in enumerate(zip(pipe["layers"], plan["stages"])):
+        held = f"layers {layers[0]}-{layers[-1]}" if layers else "no layers"
+        parts.append(f"\n== stage {s} (pipeline rank {s % pipe['pp']}, {held}) ==\n{_render_one(stage)}")
+    return "\n".join(parts)
+
+
+def _render_one(plan: dict[str, Any]) -> str:
     dims = plan["mesh"]["solver_dims"]
     shape = dict(zip(plan["mesh"]["names"], plan["mesh"]["shape"]))
     lines = [

@@ -33,6 +33,10 @@ from .memory import Kept, autograd_keeps
 
 
 Position = int | str | tuple[int | str, int]
+BATCH_LAID = ("input", "activations")
+"""Source kinds laid out like the token batch (Shard(0) over the data-parallel dims)."""
+DIFFERENTIABLE = ("unit", "activations")
+"""Source kinds a gradient flows back to."""
 
 
 def call_tensors(args: tuple, kwargs: dict) -> list[tuple[Position, torch.Tensor]]:
@@ -57,9 +61,10 @@ def tensor_at(args: tuple, kwargs: dict, pos: Position) -> torch.Tensor:
 class Source:
     """Where a unit's tensor input comes from: the model input, a root buffer, or a unit's output."""
 
-    kind: str  # "input" | "mask" | "buffer" | "unit"
-    """`input`: laid out like the token batch (the tokens, a BlockMask's per-sequence tensors); `mask`: a
-    BlockMask tensor shared by all sequences (flex.py); `buffer`: a root buffer; `unit`: a unit's output."""
+    kind: str  # "input" | "activations" | "mask" | "buffer" | "unit"
+    """`input`: laid out like the token batch (the tokens, a BlockMask's per-sequence tensors); `activations`: a
+    pipeline stage's input, the previous stage's output, laid out like the token batch and differentiable; `mask`:
+    a BlockMask tensor shared by all sequences (flex.py); `buffer`: a root buffer; `unit`: a unit's output."""
     call: int = -1
     index: int = 0
     name: str = ""
@@ -238,8 +243,10 @@ def _trace_unit(fqn: str, module: nn.Module, args: tuple, kwargs: dict, param_dt
     return UnitGraph(kind, [fqn], gm, param_names, buffer_names, len(tensors), positions, node_module, kept)
 
 
-def trace_model(model: nn.Module, inputs_shape: tuple[int, ...], param_dtype: torch.dtype, device: torch.device) -> ModelTrace:
-    """`model` lives on the meta device; `inputs_shape` is the GLOBAL token batch (batch, seq)."""
+def trace_model(model: nn.Module, inputs_shape: tuple[int, ...], param_dtype: torch.dtype, device: torch.device,
+                activations: int = 0) -> ModelTrace:
+    """`model` lives on the meta device; `inputs_shape` is the GLOBAL token batch (batch, seq). `activations`: the
+    width of a pipeline stage's input (batch, seq, activations) in `param_dtype`, in place of token ids."""
     units = unit_modules(model)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     graphs: list[UnitGraph] = []
@@ -250,8 +257,11 @@ def trace_model(model: nn.Module, inputs_shape: tuple[int, ...], param_dtype: to
     buffers = {id(b): n for n, b in model.named_buffers() if not any(n.startswith(u + ".") for u in units)}
 
     with mode:
-        tokens = torch.zeros(inputs_shape, dtype=torch.long, device=device)
-    sources[id(tokens)] = Source("input", index=0)
+        if activations:
+            tokens = torch.zeros((*inputs_shape, activations), dtype=param_dtype, device=device)
+        else:
+            tokens = torch.zeros(inputs_shape, dtype=torch.long, device=device)
+    sources[id(tokens)] = Source("activations" if activations else "input", index=0)
 
     def mask_source(t: torch.Tensor, pos: tuple) -> Source:
         name = f"{pos[0]}.{pos[1]}"
@@ -284,7 +294,7 @@ def trace_model(model: nn.Module, inputs_shape: tuple[int, ...], param_dtype: to
                 recording = module.__dict__.pop("forward")
                 try:
                     graphs.append(_trace_unit(fqn, module, args, kwargs, param_dtype, mode, len(graphs), device,
-                                              [s.kind == "unit" for s in srcs]))
+                                              [s.kind in DIFFERENTIABLE for s in srcs]))
                 finally:
                     module.forward = recording
             else:
