@@ -388,6 +388,13 @@ def check_validation(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None
 _CHECKS_AFTER_MESH += (check_validation,)
 
 
+def _stage_graph_has_dtensors(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> bool:
+    """Whether a traced pipeline stage reads DTensor parameters: unless `pp_gather step` hands it plain gathered
+    copies of every parameter, which it does for FSDP over more than one rank without TP, EP or the solver."""
+    dp_replicate, dp_shard, tp, ep = degrees
+    return not (dp_replicate * dp_shard > 1 and cfg.parallelism.pp_gather == "step" and tp == ep == 1 and not cfg.compile.autoparallel)
+
+
 def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
     """--parallelism.pp: the stage split, the schedule's microbatches, and what pipelining does not combine with."""
     from .parallel.pipeline import BALANCED, LOOPED, SPLIT_BACKWARD, min_microbatches, split_layers, stages_per_rank
@@ -407,10 +414,14 @@ def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
         (t.loss == "fused_linear_ce", "--training.loss fused_linear_ce (the output projection is in the last stage's graph)"),
         (cfg.validation.enable, "--validation.enable"),
         (cfg.checkpoint.last_save_in_hf, "--checkpoint.last_save_in_hf (save a checkpoint and run `graph-trainer export` on it)"),
-        (cfg.compile.mode in TRACED_MODES and p.pp_schedule in SPLIT_BACKWARD,
-         f"--parallelism.pp_schedule {p.pp_schedule} with --compile.mode {cfg.compile.mode} (a traced stage's backward graph computes "
-         "input and weight gradients together; use --compile.mode eager or another schedule)"),
+        (cfg.compile.mode in TRACED_MODES and p.pp_schedule in SPLIT_BACKWARD and _stage_graph_has_dtensors(cfg, degrees),
+         f"--parallelism.pp_schedule {p.pp_schedule} with --compile.mode {cfg.compile.mode} here (a traced stage's backward splits into "
+         "input and weight gradients where its parameters are plain tensors: FSDP over 2 or more ranks, gathered once per step, "
+         "without tp, ep or --compile.autoparallel; use --compile.mode eager or another schedule)"),
         (cfg.compile.mode in TRACED_MODES and bool(cfg.compile.passes), "--compile.passes (its passes plan over whole-step graphs)"),
+        (cfg.compile.mode == "eager" and p.pp_schedule in SPLIT_BACKWARD and degrees[0] * degrees[1] > 1 and p.pp_gather == "step",
+         f"--parallelism.pp_schedule {p.pp_schedule} in eager with --parallelism.pp_gather step (torch's weight-gradient pass sets the "
+         "gathered copies' gradients without the hooks that reduce them; use --parallelism.pp_gather microbatch)"),
     ]
     for hit, what in unsupported:
         if hit:

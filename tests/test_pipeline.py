@@ -173,6 +173,24 @@ def test_pp2_by_dp_shard2_gathers_once_per_step():
 
 
 @pytest.mark.slow
+def test_zero_bubble_traced_stages_split_backward_into_input_and_weight_graphs():
+    """InterleavedZeroBubble, traced, pp 2 x dp_shard 2: each stage's backward graph is split (capture/backward_split.py)
+    into an input-gradient graph run at the schedule's I slot and a weight-gradient graph run at its W slot. A later
+    stage's input part holds the activation-gradient matmuls and its weight part the weight-gradient ones; the first
+    stage's input has no gradient, so all of its backward waits for W. Training follows pp 1 as the unsplit graphs do."""
+    run = cached_run((*DP2, "--parallelism.pp", "2", "--parallelism.pp_schedule", "InterleavedZeroBubble", "--parallelism.pp_microbatches", "2",
+                      "--parallelism.pp_layers_per_stage", "1,1,1,1", "--compile.mode", "aot_fx_trace", "--compile.dump_graphs"), nproc=4)
+    mms = {(stage, part): (run / "graphs" / f"stage_{stage}" / f"0{3 + part}_backward.py").read_text().count("aten.mm.default(")
+           for stage in (0, 2) for part in (0, 1)}
+    assert mms[(0, 0)] == 0 and mms[(0, 1)] > 0, mms
+    assert mms[(2, 0)] > 0 and mms[(2, 1)] > 0, mms
+    records, reference = read_metrics(run), cached_train(DP2_REFERENCE, nproc=2)
+    assert len(records) == len(reference) == 3
+    pairs = list(zip(losses(records) + grad_norms(records), losses(reference) + grad_norms(reference)))
+    assert all(abs(a - b) <= STEP_GATHER_BOUND * abs(b) for a, b in pairs), pairs
+
+
+@pytest.mark.slow
 def test_pp2_by_tp2_equals_tp2_bitwise():
     """The stages exchange the tp ranks' sequence shards (sequence parallelism between blocks)."""
     common = (*BASE, "--parallelism.tp", "2")
@@ -252,8 +270,10 @@ def test_resume_pp1_checkpoint_on_pp2(tmp_path: Path):
     (["--compile.autoparallel", "--compile.autoparallel_impl", "meta"], 2, "does not combine with --compile.autoparallel_impl meta"),
     (["--validation.enable", "--validation.split", "0.1"], 2, "does not combine with --validation.enable"),
     (["--parallelism.pp_schedule", "InterleavedZeroBubble", "--model.n_layers", "4"], 2,
-     "InterleavedZeroBubble with --compile.mode aot_fx_trace"),
-], ids=["layers", "microbatches", "batch", "meta_placement", "validation", "zero_bubble_traced"])
+     "InterleavedZeroBubble with --compile.mode aot_fx_trace here"),
+    (["--parallelism.pp_schedule", "InterleavedZeroBubble", "--model.n_layers", "4", "--parallelism.dp_shard", "2", "--compile.mode", "eager"],
+     4, "InterleavedZeroBubble in eager with --parallelism.pp_gather step"),
+], ids=["layers", "microbatches", "batch", "meta_placement", "validation", "zero_bubble_traced_dtensors", "zero_bubble_eager_gathered"])
 def test_refusals_are_one_line_exit_2(flags, world_size, needle, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")

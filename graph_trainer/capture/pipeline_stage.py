@@ -18,6 +18,7 @@ its gradients in its backward graph).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from typing import Callable
@@ -32,8 +33,10 @@ from ..graph_dump import GraphDumper
 from ..models import traceable_attention
 from ..passes.memory_policy import activation_passes
 from ..passes.reshard import parameter_passes
+from ..parallel.pipeline import SPLIT_BACKWARD
 from ..passes.registry import apply_passes
 from .aot import StageCompiler, dump_folder, pass_context, report_passes
+from .backward_split import SplitBackwardCompiler
 from .compat import aot_compile_joint_with_descriptors, aot_export_joint_with_descriptors, min_cut_partition
 from .registry import CaptureContext
 
@@ -62,11 +65,20 @@ class TracedStage(nn.Module):
         self.pass_names = parameter_passes(cfg) + activation_passes(cfg) + get_backend(cfg.compile.inductor_compilation).pass_names(cfg.compile.passes)
         self.graphs: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
         ctx.stats.setdefault("retraces", 0)
+        self.split = cfg.parallelism.pp_schedule in SPLIT_BACKWARD
+        self.weight_gradients: collections.deque[Callable[[], None]] = collections.deque()
+        """Zero-bubble schedules: each backward's weight-gradient part, waiting for the schedule's W slot."""
+
+    def dw_builder(self) -> Callable[[], None]:
+        """PipelineStage's hook for the zero-bubble schedules: the weight-gradient part of the backward that just ran."""
+        return self.weight_gradients.popleft()
 
     def _build(self, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         folder = dump_folder(self.ctx, len(self.graphs))
         dumper = GraphDumper(f"{folder}/stage_{self.stage_index}" if folder else None)
         forward, backward = (StageCompiler(self.ctx, s, self.pass_names, lambda: dumper) for s in ("forward", "backward"))
+        state: list[torch.Tensor] = []
+        bw_compiler = SplitBackwardCompiler(backward, lambda: state, self.weight_gradients) if self.split else backward
         t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
             stack.enter_context(fx_traceback.preserve_node_meta())
@@ -76,9 +88,9 @@ class TracedStage(nn.Module):
             dumper.dump("joint", gm)
             example = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
             joint.graph_module = apply_passes(gm, self.pass_names, pass_context(self.ctx, gm, example, dumper), "joint")
-            compiled = aot_compile_joint_with_descriptors(joint, partition_fn=min_cut_partition, fw_compiler=forward, bw_compiler=backward)
-        params, buffers = dict(self.owner.named_parameters()), dict(self.owner.named_buffers())
-        state = [params[n] for n in joint.params_spec] + [buffers[n] for n in joint.buffers_spec]
+            params, buffers = dict(self.owner.named_parameters()), dict(self.owner.named_buffers())
+            state += [params[n] for n in joint.params_spec] + [buffers[n] for n in joint.buffers_spec]
+            compiled = aot_compile_joint_with_descriptors(joint, partition_fn=min_cut_partition, fw_compiler=forward, bw_compiler=bw_compiler)
         if self.graphs:
             self.ctx.stats["retraces"] += 1
         stats = self.ctx.stats

@@ -165,6 +165,8 @@ class FakeNeighbours(torch.nn.Module):
     def __init__(self, stage: torch.nn.Module, first: bool, last: bool):
         super().__init__()
         self.stage, self.first, self.last = stage, first, last
+        if hasattr(stage, "dw_builder"):
+            self.dw_builder = stage.dw_builder
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.first:

@@ -206,7 +206,9 @@ def build_schedule(views: Sequence[nn.Module], layout: PipelineLayout, pp_mesh: 
     logits = torch.empty(microbatch, seq_len, vocab, dtype=dtype, device="meta", requires_grad=True)
     stages = [
         PipelineStage(view, s, layout.num_stages, device, input_args=tokens if s == 0 else hidden,
-                      output_args=logits if s == last else hidden, group=pp_mesh.get_group())
+                      output_args=logits if s == last else hidden, group=pp_mesh.get_group(),
+                      # a traced stage splits its own backward (capture/backward_split.py); eager ones leave it to autograd
+                      dw_builder=getattr(view, "dw_builder", None) if layout.schedule in SPLIT_BACKWARD else None)
         for view, s in zip(views, layout.stages_of(pp_rank))
     ]
     cls = _schedule_class(layout.schedule)

@@ -56,6 +56,10 @@ class _Gathered:
         self.direct = gather._direct_gather(self.param)
 
     def _add_grad(self, full: torch.Tensor) -> None:
+        if full.grad is None:
+            # a backward that left this gradient for later (a traced stage's input-gradient part under a zero-bubble
+            # schedule) still runs the hook
+            return
         if self.grad_sum is None:
             self.grad_sum = full.grad.to(torch.float32)
         else:
