@@ -127,7 +127,12 @@ class StageCompiler:
         dumper = self.dumper()
         _drop_recompute_tags(gm)
         dumper.dump(self.stage, gm)
-        compiled = apply_passes(gm, self.pass_names, pass_context(self.ctx, gm, example_inputs, dumper), self.stage)
+        if any(n.op == "call_function" for n in gm.graph.nodes):
+            compiled = apply_passes(gm, self.pass_names, pass_context(self.ctx, gm, example_inputs, dumper), self.stage)
+        else:
+            # nothing to compute (the input-gradient part of a first pipeline stage, whose input is token ids):
+            # Inductor would make no artifact of it, which the compile cache cannot store
+            compiled = gm
 
         def run(*args: Any) -> Any:
             start = time.perf_counter()
