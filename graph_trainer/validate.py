@@ -400,12 +400,15 @@ def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
     from .parallel.pipeline import BALANCED, LOOPED, SPLIT_BACKWARD, min_microbatches, split_layers, stages_per_rank
     from .pipelining import TRACED_MODES, microbatches_of
 
+    from .passes.registry import PASSES
+
     p, t = cfg.parallelism, cfg.training
     if p.pp == 1:
         if p.pp_layers_per_stage or p.pp_microbatches or p.pp_stages_per_rank or p.pp_gather != "step":
             raise ConfigError("--parallelism.pp_layers_per_stage/pp_microbatches/pp_stages_per_rank/pp_gather shape a pipeline: "
                               "add --parallelism.pp N (N > 1)")
         return
+    whole_step_only = [n for n in cfg.compile.passes if n in PASSES and not {"joint", "forward", "backward"} & set(PASSES[n].stages)]
     unsupported = [
         (cfg.compile.autoparallel and cfg.compile.autoparallel_impl == "meta",
          "--compile.autoparallel_impl meta (Meta's AutoParallel places whole-model graphs; the built-in solver places stages)"),
@@ -418,7 +421,9 @@ def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
          f"--parallelism.pp_schedule {p.pp_schedule} with --compile.mode {cfg.compile.mode} here (a traced stage's backward splits into "
          "input and weight gradients where its parameters are plain tensors: FSDP over 2 or more ranks, gathered once per step, "
          "without tp, ep or --compile.autoparallel; use --compile.mode eager or another schedule)"),
-        (cfg.compile.mode in TRACED_MODES and bool(cfg.compile.passes), "--compile.passes (its passes plan over whole-step graphs)"),
+        (cfg.compile.mode in TRACED_MODES and bool(whole_step_only),
+         f"--compile.passes {','.join(whole_step_only)} (whole-step graphs only; a traced stage's joint, forward and backward graphs take "
+         "the passes that declare those, as aot does: e.g. auto_bucketing)"),
         (cfg.compile.mode == "eager" and p.pp_schedule in SPLIT_BACKWARD and degrees[0] * degrees[1] > 1 and p.pp_gather == "step",
          f"--parallelism.pp_schedule {p.pp_schedule} in eager with --parallelism.pp_gather step (torch's weight-gradient pass sets the "
          "gathered copies' gradients without the hooks that reduce them; use --parallelism.pp_gather microbatch)"),

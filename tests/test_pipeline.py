@@ -154,6 +154,18 @@ def test_pp2_by_dp_shard2_equals_dp_shard2_bitwise():
     _same(read_metrics(run), cached_train(DP2_REFERENCE, nproc=2))
 
 
+@pytest.mark.slow
+def test_stage_graphs_take_the_aot_overlap_passes():
+    """`--compile.passes auto_bucketing` runs on each stage's joint, forward and backward graphs as in aot: the
+    microbatch's FSDP gathers and reduce-scatters are bucketed, and training stays bitwise equal to dp_shard 2."""
+    run = cached_run((*DP2, "--parallelism.pp", "2", "--parallelism.pp_gather", "microbatch", "--compile.mode", "aot_fx_trace",
+                      "--compile.passes", "auto_bucketing", "--compile.dump_graphs"), nproc=4)
+    stage = run / "graphs" / "stage_0"
+    gathers = [(stage / name).read_text().count("all_gather_into_tensor.default(") for name in ("00_joint.py", "02_joint_auto_bucketing.py")]
+    assert gathers[0] > gathers[1] > 0, gathers
+    _same(read_metrics(run), cached_train(DP2_REFERENCE, nproc=2))
+
+
 STEP_GATHER_BOUND = 1e-6
 """Relative difference of losses and grad norms, gathering once per step against pp 1: the microbatches' gradients
 are added up before the reduce-scatter averages them over the ranks, not after; fp32 both ways (measured: 6e-8 on
@@ -273,7 +285,9 @@ def test_resume_pp1_checkpoint_on_pp2(tmp_path: Path):
      "InterleavedZeroBubble with --compile.mode aot_fx_trace here"),
     (["--parallelism.pp_schedule", "InterleavedZeroBubble", "--model.n_layers", "4", "--parallelism.dp_shard", "2", "--compile.mode", "eager"],
      4, "InterleavedZeroBubble in eager with --parallelism.pp_gather step"),
-], ids=["layers", "microbatches", "batch", "meta_placement", "validation", "zero_bubble_traced_dtensors", "zero_bubble_eager_gathered"])
+    (["--compile.passes", "transformer_block_bucketing"], 2, "--compile.passes transformer_block_bucketing (whole-step graphs only"),
+], ids=["layers", "microbatches", "batch", "meta_placement", "validation", "zero_bubble_traced_dtensors", "zero_bubble_eager_gathered",
+        "whole_step_pass"])
 def test_refusals_are_one_line_exit_2(flags, world_size, needle, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")
