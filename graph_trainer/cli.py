@@ -64,7 +64,9 @@ def cmd_precompile(argv: list[str]) -> int:
     validate(fake_job(cfg, world_size, 0))
     _setup_logging()
     outcomes = precompile(cfg, world_size)
-    stands = f" (rank 0 stands for all {world_size})" if len(outcomes) < world_size else ""
+    per = world_size // cfg.parallelism.pp
+    stands = "" if len(outcomes) == world_size else (f" (rank 0 stands for all {world_size})" if cfg.parallelism.pp == 1 else
+                                                     f" (each stands for the {per} ranks of its pipeline rank)")
     print(f"precompile: {'; '.join(f'rank {r}: {o}' for r, o in outcomes.items())}{stands}")
     return 0
 

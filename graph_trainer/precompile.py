@@ -9,7 +9,8 @@ traces: same shapes, same passes (they are resolved for the job's world size), s
 group names (checked against a 2-rank gloo run: group '0' in both on a one-dimensional mesh).
 
 Which ranks: on a mesh with one dimension larger than 1, every rank's graph is rank 0's (the same
-groups, the same shard shapes), so rank 0 stands for all. With more such dimensions each rank sits
+groups, the same shard shapes), so rank 0 stands for all; with pipelining, the first rank of each
+pipeline rank stands for its data-parallel ranks (each holds other stages). With more such dimensions each rank sits
 in groups of its own, whose names are in its graph, so every rank is compiled (Inductor's kernel
 cache makes the ranks after the first cheaper, not free); that the fake group names a rank's groups as
 a real job does is checked on one dimension only.
@@ -49,15 +50,18 @@ def job_world_size(cfg: JobConfig) -> int:
     if p.dp_shard == -1:
         raise ConfigError("precompile needs the job's world size: give --parallelism.dp_shard explicitly, "
                           "or --comm.mode fake --comm.fake_world_size N")
-    return p.dp_replicate * p.dp_shard * p.tp
+    return p.dp_replicate * p.dp_shard * p.tp * p.pp
 
 
 def ranks_to_compile(cfg: JobConfig, world_size: int) -> list[int]:
-    """The ranks whose graphs stand for every rank's (see the module docstring)."""
+    """The ranks whose graphs stand for every rank's (see the module docstring): with pipelining, those of
+    each pipeline rank, whose stages differ (pp is the outermost mesh dimension)."""
     p = cfg.parallelism
-    dp_shard = world_size // (p.dp_replicate * p.tp) if p.dp_shard == -1 else p.dp_shard
+    per_stage = world_size // p.pp
+    dp_shard = per_stage // (p.dp_replicate * p.tp) if p.dp_shard == -1 else p.dp_shard
     split = [d for d in (p.dp_replicate, dp_shard, p.tp, p.ep) if d > 1]
-    return [0] if len(split) <= 1 else list(range(world_size))
+    dense = [0] if len(split) <= 1 else list(range(per_stage))
+    return [pp_rank * per_stage + r for pp_rank in range(p.pp) for r in dense]
 
 
 def fake_job(cfg: JobConfig, world_size: int, rank: int) -> JobConfig:
@@ -68,8 +72,6 @@ def fake_job(cfg: JobConfig, world_size: int, rank: int) -> JobConfig:
 
 def check(cfg: JobConfig) -> int:
     """Raise ConfigError when there is nothing precompile could store; return the job's world size."""
-    if cfg.parallelism.pp > 1:
-        raise ConfigError(f"precompile compiles the whole-step graph; pipeline stages are compiled at the start of the job: drop --parallelism.pp {cfg.parallelism.pp}")
     world_size = job_world_size(cfg)
     if cache_folder(cfg) is None:
         raise ConfigError("precompile fills the compile cache, which --compile.cache_dir turns off: give it a folder (or auto)")
@@ -89,7 +91,8 @@ def precompile(cfg: JobConfig, world_size: int) -> dict[int, str]:
     for rank in ranks_to_compile(cfg, world_size):
         try:
             trainer = GraphTrainer(fake_job(cfg, world_size, rank))
-            trainer.step_fn(*trainer.next_batch())
+            # with pipelining, one schedule step: every local stage's forward and backward graphs compile
+            trainer.step_fn(*trainer.next_batches(0))
             outcomes[rank] = trainer.capture.stats.get("compile_cache", "not reported")
         finally:
             run_teardowns()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cached_run, cached_train, grad_norms, losses, run_train
+from helpers import cached_run, cached_train, grad_norms, launch, losses, run_train
 
 from graph_trainer import cli, models
 from graph_trainer.config import parse_args
@@ -303,10 +303,24 @@ def test_refusals_are_one_line_exit_2(flags, world_size, needle, tmp_path, monke
     assert lines[0].startswith("[rank 0] graph-trainer: error: ") and needle in lines[0], lines[0]
 
 
-def test_precompile_refuses_pp(tmp_path, capsys):
-    code = cli.main(["precompile", "--job.dump_folder", str(tmp_path), "--parallelism.pp", "2", "--parallelism.dp_shard", "2"])
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and "drop --parallelism.pp 2" in lines[0], lines
+@pytest.mark.slow
+def test_precompile_warms_every_pipeline_rank(tmp_path: Path):
+    """`graph-trainer precompile` with pp 2 compiles each pipeline rank's stages on the fake process group (fake
+    rank 0 and fake rank 1); the 2-rank gloo job then loads every stage graph and compiles none."""
+    flags = ("--model.n_layers", "2", "--training.batch_size", "2", "--training.seq_len", "32", "--training.steps", "2",
+             "--parallelism.pp", "2", "--parallelism.dp_shard", "1", "--compile.inductor_compilation", "full",
+             "--compile.cache_dir", str(tmp_path / "cache"))
+    proc = launch(["precompile", "--job.dump_folder", str(tmp_path / "pre"), *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "precompile: rank 0: miss; rank 1: miss" in proc.stdout
+    stored = {p.name for p in (tmp_path / "cache").iterdir()}
+    assert len(stored) == 4  # each rank's stage: a forward and a backward graph
+    job = launch(["train", "--job.dump_folder", str(tmp_path / "job"), *flags], nproc=2)
+    assert job.returncode == 0, job.stderr[-3000:]
+    first = read_metrics(tmp_path / "job")[0]
+    assert (first["compile_cache"], first["compile_cache_entries_loaded"], first["compile_cache_entries_written"]) == ("hit", 2, 0)
+    # rank 1 reports no metrics: that it loaded too shows in the cache, which a rank that compiled would have added to
+    assert {p.name for p in (tmp_path / "cache").iterdir()} == stored
 
 
 def _export(step_folder: Path, out: Path) -> dict:
