@@ -46,9 +46,11 @@ def predict(world_size: int) -> dict[str, Any] | None:
     }
 
 
-def write_prediction(dump_folder: str, world_size: int) -> dict[str, Any] | None:
-    """Write prediction.json for the step the run captured (nothing in eager); returns its content."""
-    pred = predict(world_size)
+def write_prediction(dump_folder: str, world_size: int, pipelined: bool = False) -> dict[str, Any] | None:
+    """Write prediction.json for the step the run captured (nothing in eager, nor with pipelining, whose
+    captured graphs are one stage's for one microbatch: the step is the schedule's, which the cost model does
+    not model); returns its content."""
+    pred = None if pipelined else predict(world_size)
     # consumed: a later run in this process (tests) must not find this capture's estimates
     ESTIMATES.clear()
     if pred is not None:

@@ -375,7 +375,7 @@ class GraphTrainer:
                     # every figure the capture and its passes reported (times, AC, schedule, compile cache)
                     extra.update({k: v for k, v in self.capture.stats.items() if isinstance(v, (int, float, str)) and k != "retraces"})
                     if self.is_rank0:
-                        write_prediction(self.cfg.job.dump_folder, self.degrees.world_size)
+                        write_prediction(self.cfg.job.dump_folder, self.degrees.world_size, pipelined=self.pipeline is not None)
                     first = False
                 validated = self.validator is not None and self.validator.due(self.step)
                 if validated:
