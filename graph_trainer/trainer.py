@@ -193,6 +193,7 @@ class GraphTrainer:
         reference = models.build_on_meta(spec, args, self.device.type)
         mp = MixedPrecision.from_config(cfg.training, self.device.type)
         placement_start = time.perf_counter()
+
         def build() -> torch.nn.Module:
             model = models.build_on_meta(spec, args, self.device.type)
             # before placement: the solver traces the forward with the masks the model builds from its tokens

@@ -398,9 +398,8 @@ def _stage_graph_has_dtensors(cfg: JobConfig, degrees: tuple[int, int, int, int]
 def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
     """--parallelism.pp: the stage split, the schedule's microbatches, and what pipelining does not combine with."""
     from .parallel.pipeline import BALANCED, LOOPED, SPLIT_BACKWARD, min_microbatches, split_layers, stages_per_rank
-    from .pipelining import TRACED_MODES, microbatches_of
-
     from .passes.registry import PASSES
+    from .pipelining import TRACED_MODES, microbatches_of
 
     p, t = cfg.parallelism, cfg.training
     if p.pp == 1:

@@ -31,9 +31,9 @@ from graph_trainer.backends import get_backend
 
 from ..graph_dump import GraphDumper
 from ..models import traceable_attention
+from ..parallel.pipeline import SPLIT_BACKWARD
 from ..passes.memory_policy import activation_passes
 from ..passes.reshard import parameter_passes
-from ..parallel.pipeline import SPLIT_BACKWARD
 from ..passes.registry import apply_passes
 from .aot import StageCompiler, dump_folder, pass_context, report_passes
 from .backward_split import SplitBackwardCompiler
