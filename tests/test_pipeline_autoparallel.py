@@ -51,6 +51,7 @@ def test_auto_placed_stages_by_tp2_equal_pp1_bitwise():
 
 @pytest.mark.slow
 def test_auto_placed_moe_stages_by_ep2_equal_pp1_bitwise():
+    """DeepSeek V3, the first stage only its dense first block: each stage's plan pins expert parallelism over dp_shard."""
     common = ("--config", "configs/deepseek_v3_debug.toml", *SHAPE, *STEPS, "--parallelism.dp_shard", "2", "--parallelism.ep", "2",
               "--compile.mode", "eager")
     reference = cached_train((*common, "--training.gradient_accumulation_steps", "2"), nproc=2)
