@@ -92,7 +92,7 @@ def split_backward(gm: fx.GraphModule, input_positions: Sequence[int]) -> Backwa
 class SplitBackwardCompiler:
     """An AOTAutograd backward compiler that compiles the two parts with `inner` (the job's backward compiler)
     and returns the input part as the backward: the weight gradients come back None and the weight part's
-    call waits in `pending`, which `weight_runner` hands the schedule (in the order the backwards ran)."""
+    call waits in `pending`, which the stage's `dw_builder` hands the schedule (in the order the backwards ran)."""
 
     def __init__(self, inner: Callable[[fx.GraphModule, Sequence[Any]], Callable[[list[Any]], Any]], weights: Callable[[], list[torch.Tensor]],
                  pending: collections.deque[Callable[[], None]]):
