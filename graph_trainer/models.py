@@ -131,6 +131,14 @@ def build_on_meta(spec: ModelSpec, args: Any, device_type: str) -> nn.Module:
         return spec.model_cls(args)
 
 
+def build_to_place(spec: ModelSpec, args: Any, device_type: str, separator_id: int | None) -> nn.Module:
+    """A meta-device model as placement takes it: with the attention masks it builds from its tokens, which
+    the solver traces its forward with (install_attention_masks)."""
+    model = build_on_meta(spec, args, device_type)
+    install_attention_masks(model, separator_id)
+    return model
+
+
 def document_mask_mod(tokens: torch.Tensor, eos_id: int) -> Callable[..., torch.Tensor]:
     """Attention stays inside a document; a document ends with (and includes) its EOS token.
 

@@ -5,7 +5,7 @@ gradient norm over every stage."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ from .config import JobConfig
 from .parallel.compat import declared_stage_shapes
 from .parallel.fake_data import FakeNeighbours
 from .parallel.mesh import Meshes
-from .parallel.pipeline import (PipelineLayout, PipelineStep, build_layout, build_schedule, default_microbatches,
+from .parallel.pipeline import (PipelineLayout, PipelineStep, build_schedule, default_microbatches,
                                 pipeline_total_norm, stage_grads, stage_views, stages_per_rank)
 from .parallel.step_gather import StepGather
 
@@ -30,14 +30,6 @@ def microbatches_of(cfg: JobConfig) -> int:
     if p.pp == 1:
         return 1
     return p.pp_microbatches or default_microbatches(p.pp, stages_per_rank(p.pp_schedule, p.pp_stages_per_rank))
-
-
-def layout_of(cfg: JobConfig, n_layers: int, costs: Callable[[], tuple[list[float], float, float]] | None = None) -> PipelineLayout | None:
-    """`costs`: the model's per-layer, embedding and output FLOPs (models.stage_costs), for a balanced split."""
-    p = cfg.parallelism
-    if p.pp == 1:
-        return None
-    return build_layout(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank, p.pp_layers_per_stage, n_layers, costs)
 
 
 class Pipeline:

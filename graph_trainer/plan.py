@@ -9,6 +9,7 @@ bf16 compute unless the config says otherwise).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -39,7 +40,7 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     from .data.tokenizer import build_tokenizer, document_separator
     from .hardware import select
     from .parallel.compat import init_fake_process_group
-    from .pipelining import layout_of
+    from .parallel.pipeline import layout_of
 
     info = mesh_info(degrees)
     init_fake_process_group(math.prod(info.shape))
@@ -47,15 +48,9 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     solver_mesh = init_device_mesh("cpu", info.sizes, mesh_dim_names=info.solver_names) if info.sizes else None
     spec = models.get_spec(cfg.model.name)
     args = spec.job_args(cfg)
-    separator = document_separator(build_tokenizer(cfg.model.tokenizer_path or None))
-
-    def build() -> torch.nn.Module:
-        model = models.build_on_meta(spec, args, "cpu")
-        models.install_attention_masks(model, separator)
-        return model
-
+    build = functools.partial(models.build_to_place, spec, args, "cpu", document_separator(build_tokenizer(cfg.model.tokenizer_path or None)))
     hw = select(cfg.compile.hardware, torch.device("cuda"))
-    layout = layout_of(cfg, args.n_layers, lambda: models.stage_costs(args, build(), cfg.training.seq_len))
+    layout = layout_of(cfg.parallelism, args.n_layers, lambda: models.stage_costs(args, build(), cfg.training.seq_len))
     if layout is not None:
         return solve_stages(cfg, args, layout, build, info, solver_mesh, torch.device("cpu"), param_dtype_for(cfg, "cuda"), hw)
     model = build()

@@ -15,6 +15,7 @@ died, or did not answer within `--comm.timeout_seconds`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -52,8 +53,8 @@ from .parallel.links import probe as probe_links
 from .parallel.fake_data import fill_collective_outputs, restore_collectives, tokens_in_vocab_shard
 from .parallel.materialize import materialize
 from .parallel.mesh import Meshes, build_meshes, device_type, resolve_degrees
-from .parallel.pipeline import prune_to_rank
-from .pipelining import Pipeline, layout_of, microbatches_of
+from .parallel.pipeline import layout_of, prune_to_rank
+from .pipelining import Pipeline, microbatches_of
 from .parallel.simple_fsdp import MixedPrecision
 from .placement import place_model, write_placements
 from .blocks import annotate_blocks
@@ -193,15 +194,9 @@ class GraphTrainer:
         reference = models.build_on_meta(spec, args, self.device.type)
         mp = MixedPrecision.from_config(cfg.training, self.device.type)
         placement_start = time.perf_counter()
-
-        def build() -> torch.nn.Module:
-            model = models.build_on_meta(spec, args, self.device.type)
-            # before placement: the solver traces the forward with the masks the model builds from its tokens
-            models.install_attention_masks(model, document_separator(self.tokenizer))
-            return model
-
+        build = functools.partial(models.build_to_place, spec, args, self.device.type, document_separator(self.tokenizer))
         model = build()
-        layout = layout_of(cfg, args.n_layers, lambda: models.stage_costs(args, reference, t.seq_len))
+        layout = layout_of(cfg.parallelism, args.n_layers, lambda: models.stage_costs(args, reference, t.seq_len))
         if layout is not None:
             prune_to_rank(model, layout, self.meshes.pp.get_local_rank())
         self.model = place_model(model, spec, args, self.meshes, mp, cfg, layout, build)

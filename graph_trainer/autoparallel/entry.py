@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import ConfigError, JobConfig
-from ..parallel.pipeline import PipelineLayout, build_layout, prune_to_rank, stage_views
+from ..parallel.pipeline import PipelineLayout, layout_of, prune_to_rank, stage_views
 from ..parallel.simple_fsdp import MixedPrecision
 from ..hardware import Hardware, select
 from ..units import GiB, parse_memory_budget
@@ -66,10 +66,17 @@ def traced_batch(cfg: JobConfig, layout: PipelineLayout | None = None) -> tuple[
 
 
 def solve(cfg: JobConfig, model: nn.Module, args: Any, info: MeshInfo, solver_mesh: DeviceMesh | None,
-          device: torch.device, param_dtype: torch.dtype, hw: Hardware) -> dict[str, Any]:
-    """Trace on `device` and solve, priced on `hw` (the job's devices, which `graph-trainer plan` does not have)."""
-    batch = traced_batch(cfg)
-    plan = plan_model(model, batch, param_dtype, device, info, solver_mesh, solver_settings(cfg, model, hw)).data
+          device: torch.device, param_dtype: torch.dtype, hw: Hardware, layout: PipelineLayout | None = None,
+          activations: int = 0) -> dict[str, Any]:
+    """Trace on `device` and solve, priced on `hw` (the job's devices, which `graph-trainer plan` does not have).
+    With `layout`, `model` is one pipeline stage, taking `activations`-wide input (0: token ids)."""
+    batch = traced_batch(cfg, layout)
+    settings = solver_settings(cfg, model, hw)
+    if layout is not None:
+        # the step runs the stage once per schedule microbatch (the memory row still counts one microbatch's
+        # activations, where 1F1B keeps up to pp microbatches' in flight on the first stage)
+        settings = dataclasses.replace(settings, microbatches=settings.microbatches * layout.microbatches)
+    plan = plan_model(model, batch, param_dtype, device, info, solver_mesh, settings, activations).data
     plan["model"] = model_identity(cfg, args)
     plan["batch"] = {"global_microbatch": list(batch), "param_dtype": str(param_dtype).removeprefix("torch.")}
     return plan
@@ -88,18 +95,11 @@ def solve_stages(cfg: JobConfig, args: Any, layout: PipelineLayout, build: Calla
     model to cut it from) over the mesh of one pipeline rank, for one schedule microbatch. A stage's input and
     output are laid out like the token batch, as the schedule sends them between ranks: the first stage takes
     the tokens, the others the previous stage's activations (trace.Source `activations`)."""
-    batch = traced_batch(cfg, layout)
     stages = []
     for s in range(layout.num_stages):
         stage = _stage_of(build(), layout, s)
         prepare_model(stage)
-        # the step runs the stage once per schedule microbatch (the memory row still counts one microbatch's
-        # activations, where 1F1B keeps up to pp microbatches' in flight on the first stage)
-        settings = solver_settings(cfg, stage, hw)
-        settings = dataclasses.replace(settings, microbatches=settings.microbatches * layout.microbatches)
-        plan = plan_model(stage, batch, param_dtype, device, info, solver_mesh, settings, activations=args.dim if s else 0).data
-        plan["batch"] = {"global_microbatch": list(batch), "param_dtype": str(param_dtype).removeprefix("torch.")}
-        stages.append(plan)
+        stages.append(solve(cfg, stage, args, info, solver_mesh, device, param_dtype, hw, layout, args.dim if s else 0))
     return {"version": PLAN_VERSION, "model": model_identity(cfg, args), "mesh": stages[0]["mesh"],
             "pipeline": pipeline_identity(layout), "stages": stages}
 
@@ -174,12 +174,9 @@ def _pipeline_of(cfg: JobConfig, spec: Any, args: Any) -> dict[str, Any] | None:
     """The pipeline identity (`pipeline_identity`) of the job's flags; None without pipelining."""
     from .. import models
 
-    p = cfg.parallelism
-    if p.pp == 1:
-        return None
-    costs = lambda: models.stage_costs(args, models.build_on_meta(spec, args, "cpu"), cfg.training.seq_len)  # noqa: E731
-    return pipeline_identity(build_layout(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank, p.pp_layers_per_stage,
-                                          args.n_layers, costs))
+    layout = layout_of(cfg.parallelism, args.n_layers,
+                       lambda: models.stage_costs(args, models.build_on_meta(spec, args, "cpu"), cfg.training.seq_len))
+    return None if layout is None else pipeline_identity(layout)
 
 
 def _pipeline_words(pipeline: dict[str, Any] | None) -> str:

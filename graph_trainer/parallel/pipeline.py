@@ -27,6 +27,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ..config import Parallelism
+
 SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble")
 LOOPED = ("Interleaved1F1B", "InterleavedZeroBubble")
 """Schedules that run several stages per rank (torch's PipelineScheduleMulti)."""
@@ -151,6 +153,14 @@ def build_layout(pp: int, schedule: str, microbatches: int, stages_per_rank_: in
         counts = [int(n) for n in layers_per_stage] if layers_per_stage else None
     layers = split_layers(n_layers, pp * per_rank, counts)
     return PipelineLayout(pp, schedule, microbatches or default_microbatches(pp, per_rank), layers)
+
+
+def layout_of(p: Parallelism, n_layers: int, costs: Callable[[], tuple[list[float], float, float]] | None = None) -> PipelineLayout | None:
+    """The layout the `--parallelism` flags ask for; None without pipelining. `costs`: the model's per-layer,
+    embedding and output FLOPs (models.stage_costs), for a balanced split."""
+    if p.pp == 1:
+        return None
+    return build_layout(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank, p.pp_layers_per_stage, n_layers, costs)
 
 
 def _keep_only(model: nn.Module, names: set[str]) -> None:
