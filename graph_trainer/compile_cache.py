@@ -70,6 +70,8 @@ OFF = ("", "off")
 """`--compile.cache_dir` values that turn the cache off."""
 DEFAULT = "auto"
 """`--compile.cache_dir`'s default: `<job.dump_folder>/compile_cache`."""
+CACHED_BACKENDS = ("full", "autoparallel_backend")
+"""The backends whose compiles are stored: whole graphs (or their pieces) through `standalone_compile`."""
 
 
 def cache_folder(cfg: Any) -> Path | None:
@@ -81,11 +83,11 @@ def cache_folder(cfg: Any) -> Path | None:
     return Path(cfg.compile.cache_dir)
 
 
-def _value(val: Any) -> Any:
+def value_key(val: Any) -> Any:
     if isinstance(val, torch.Tensor):
         return ("tensor", tuple(val.shape), val.stride(), str(val.dtype), str(val.device))
     if isinstance(val, (list, tuple)):
-        return [_value(v) for v in val]
+        return [value_key(v) for v in val]
     if isinstance(val, FakeScriptObject):
         # an opaque input (a pipeline stage's graph from AOTAutograd has some): the compiled code passes it
         # through; its repr holds its address, which differs at every start
@@ -105,7 +107,7 @@ def _constant(module: fx.GraphModule, target: str) -> str:
         if value.device.type != "meta" and not isinstance(value, torch._subclasses.FakeTensor):
             flat = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
             data = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-        return repr((_value(value), data))
+        return repr((value_key(value), data))
     return repr(value)
 
 
@@ -117,12 +119,12 @@ def graph_fingerprint(gm: fx.GraphModule) -> str:
     for node in gm.graph.nodes:
         target = _constant(gm, node.target) if node.op == "get_attr" else str(node.target)
         args = fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{a.name}")
-        h.update(repr((node.op, node.name, target, args, _value(node.meta.get("val")))).encode())
+        h.update(repr((node.op, node.name, target, args, value_key(node.meta.get("val")))).encode())
         h.update(b"\n")
     return h.hexdigest()
 
 
-def _device_kind(device: torch.device) -> str:
+def device_kind(device: torch.device) -> str:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
@@ -143,13 +145,13 @@ def cache_key(gm: fx.GraphModule, inputs: list[Any], options: dict | None, devic
         inductor_config = torch._inductor.config.get_hash().hex()
     parts = {
         "graph": graph_fingerprint(gm),
-        "inputs": [_value(x) for x in inputs],
+        "inputs": [value_key(x) for x in inputs],
         "options": repr(options),
         "inductor_config": inductor_config,
         "torch": f"{torch.__version__} {torch.version.git_version}",
         "triton": triton_version(),
         "python": sys.version.split()[0],
-        "device": _device_kind(device),
+        "device": device_kind(device),
         "mesh": _mesh(meshes),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest(), parts
@@ -178,7 +180,7 @@ class Refused(Exception):
     """An entry exists but cannot be used; the message says why."""
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
@@ -190,7 +192,8 @@ class CompileCache:
     def path(self, key: str) -> Path:
         return self.folder / f"{key}.bin"
 
-    def _payload(self, key: str) -> bytes | None:
+    def read(self, key: str) -> bytes | None:
+        """The payload stored under `key`, or None when there is none; `Refused` when the entry is unusable."""
         path = self.path(key)
         try:
             data = path.read_bytes()
@@ -214,7 +217,7 @@ class CompileCache:
 
     def load(self, key: str) -> Any:
         """The stored compile of `key`, or None when there is none; `Refused` when the entry is unusable."""
-        payload = self._payload(key)
+        payload = self.read(key)
         if payload is None:
             return None
         fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".load", dir=self.folder)
@@ -223,29 +226,34 @@ class CompileCache:
                 f.write(payload)
             return CompiledArtifact.load(path=tmp, format="binary")
         except Exception as e:  # noqa: BLE001  (whatever torch raises on a bad artifact means: compile afresh)
-            raise Refused(f"torch could not load it ({_first_line(e)})") from e
+            raise Refused(f"torch could not load it ({first_line(e)})") from e
         finally:
             os.unlink(tmp)
 
-    def store(self, key: str, artifact: Any, parts: dict) -> bool:
-        """Write `artifact` under `key` (atomically); False, with one warning line, when it cannot be saved."""
+    def write(self, key: str, payload: bytes, parts: dict) -> None:
+        """Write `payload` under `key` as one file, renamed into place so a reader sees a whole entry or none."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        unique = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        raw = self.folder / f".{key[:16]}.{unique}.artifact"
-        tmp = self.folder / f".{key[:16]}.{unique}.tmp"
+        tmp = self.folder / f".{key[:16]}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        header = {"key": key, "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest(), "parts": parts}
         try:
-            artifact.save(path=str(raw), format="binary")
-            payload = raw.read_bytes()
-            header = {"key": key, "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest(), "parts": parts}
             tmp.write_bytes(_MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + payload)
             os.replace(tmp, self.path(key))
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def store(self, key: str, artifact: Any, parts: dict) -> bool:
+        """Write `artifact` under `key`; False, with one warning line, when it cannot be saved."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        raw = self.folder / f".{key[:16]}.{os.getpid()}.{uuid.uuid4().hex[:8]}.artifact"
+        try:
+            artifact.save(path=str(raw), format="binary")
+            self.write(key, raw.read_bytes(), parts)
             return True
         except Exception as e:  # noqa: BLE001  (a compile that cannot be stored still runs)
-            logger.warning(f"compile cache: cannot store the compiled graph in {self.folder} ({_first_line(e)}); the next start compiles it again")
+            logger.warning(f"compile cache: cannot store the compiled graph in {self.folder} ({first_line(e)}); the next start compiles it again")
             return False
         finally:
             raw.unlink(missing_ok=True)
-            tmp.unlink(missing_ok=True)
 
 
 REPORT_PASS = "full_inductor_compilation"

@@ -34,8 +34,9 @@ def full_inductor(nproc: int) -> tuple[str, ...]:
 
 
 def entries(folder: Path) -> dict[str, int]:
-    """The cache's entries by name, with their modification times (a rewritten entry changes it)."""
-    return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    """The cache's entries by name, with their modification times (a rewritten entry changes it); the traced
+    steps' are under traces/."""
+    return {p.name: p.stat().st_mtime_ns for p in folder.glob("*.bin")}
 
 
 def train(args: list[str], nproc: int = 1):
@@ -56,6 +57,10 @@ def test_second_start_loads_every_compiled_graph(tmp_path):
     warm = read_metrics(tmp_path)
     assert warm[0]["compile_cache"] == "hit"
     assert (warm[0]["compile_cache_entries_loaded"], warm[0]["compile_cache_entries_written"]) == (len(stored), 0)
+    # nor traced: the step as the cold start traced it was loaded
+    assert (cold[0]["trace_cache"], warm[0]["trace_cache"]) == ("miss", "hit") and "trace_store_s" not in warm[0]
+    assert "loaded the train step" in proc.stderr and "traced the train step" not in proc.stderr
+    assert len(entries(cold_folder / "compile_cache" / "traces")) == 1
     # the entries are keyed by the pieces as traced: a warm start decomposes none of them
     assert warm[0]["decomposed_pieces"] == 0
     # Inductor compiles only on a miss, which logs "compile cache: miss" and stores an entry: neither happened.
@@ -93,6 +98,15 @@ def test_precompile_on_the_fake_process_group_warms_a_two_rank_gloo_job(tmp_path
     # Rank 1 logs only warnings: that it loaded too shows in the cache, which a rank that compiled would have written to.
     assert entries(cache) == stored
     assert losses(warm) == losses(gloo) and grad_norms(warm) == grad_norms(gloo)
+    # Each rank traced its step (the fake rank's trace is keyed by its fake communication) and stored it; started
+    # again, both load it: a rank that traced would have rewritten its entry.
+    assert warm[0]["trace_cache"] == "miss"
+    traces = entries(cache / "traces")
+    assert len(traces) == 3
+    train(["--job.dump_folder", str(tmp_path / "again"), *full_inductor(2), "--compile.cache_dir", str(cache)], nproc=2)
+    again = read_metrics(tmp_path / "again")
+    assert again[0]["trace_cache"] == "hit" and entries(cache / "traces") == traces
+    assert losses(again) == losses(gloo) and grad_norms(again) == grad_norms(gloo)
 
 
 def _step(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -124,8 +124,14 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
         # stages, and with the split that balances the output projection's work (our best)
         titan_split = ["--parallelism.pp_layers_per_stage", ",".join(map(str, c.titan_stage_layers()))]
         balanced = ["--parallelism.pp_layers_per_stage", "balanced"]
+        # FSDP gathered in each microbatch's forward and reduce-scattered in its backward, bucketed: the memory of a
+        # sharded step, where the default (gathered once per step) held 1.4x torchtitan's peak active memory
+        microbatch = (["--parallelism.pp_gather", "microbatch", "--compile.passes", "auto_bucketing"]
+                      if c.dp_shard > 1 else [])
         return [theirs("titan compile", c.group, ["--compile.enable"], profile=True),
                 ours("gt full balanced", c.group, FULL + balanced, profile=True),
+                *([ours("gt full balanced microbatch gather", c.group, FULL + balanced + microbatch, profile=True)]
+                  if microbatch else []),
                 ours("gt aot_fx_trace full", c.group, FULL + titan_split, profile=True),
                 theirs("titan eager", c.group, []), ours("gt eager", c.group, ["--compile.mode", "eager"] + titan_split)]
     auto = f"{c.group} auto"
@@ -140,7 +146,10 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
     # MoE with the capacity of configs/deepseek_v3_16b.toml: without a limit each peer's dispatch buffer holds every
     # routed pair of the rank, ep x torchtitan's all-to-all bytes (0.94x torchtitan compile at dp_shard 4 x ep 4 on
     # 4 H100s, bench/results/2026-11-27-deepseek-dp4-ep4); at 2.0, 2x, with the drops counted in `dropped_tokens`
-    capacity = [ours("gt full capacity 2", c.group, FULL + ["--parallelism.moe_capacity_factor", "2.0"], profile=True)] if c.ep > 1 else []
+    capacity_2 = ["--parallelism.moe_capacity_factor", "2.0"]
+    capacity = [ours("gt full capacity 2", c.group, FULL + capacity_2, profile=True),
+                ours("gt full ep_overlap capacity 2", c.group, FULL + capacity_2 + ["--compile.passes", ",".join(schedule + overlap)],
+                     profile=True)] if c.ep > 1 else []
     # the best manual configuration: aot_fx_trace, full Inductor and the default multi-rank overlap schedule
     return [
         theirs("titan eager", c.group, []),

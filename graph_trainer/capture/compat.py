@@ -1,4 +1,4 @@
-"""The private torch APIs the jit and aot capture modes use, imported in one place.
+"""The private torch APIs the jit and aot capture modes (and the trace cache) use, imported in one place.
 
 They exist in torch 2.11 through 2.13 (checked on both); a torch without them fails here with one
 message naming what is missing, instead of deep inside a capture. Every call into them passes
@@ -23,6 +23,7 @@ try:
     )
     from torch._functorch import config as functorch_config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.fx import _graph_pickler as graph_pickler
 except ImportError as e:  # pragma: no cover  (only on a torch outside the supported range)
     raise ImportError(
         f"graph-trainer's jit/aot modes need torch 2.11-2.13 private AOTAutograd APIs; torch {torch.__version__} "
@@ -35,6 +36,7 @@ __all__ = [
     "aot_autograd",
     "aot_compile_joint_with_descriptors",
     "aot_export_joint_with_descriptors",
+    "graph_pickler",
     "make_boxed_func",
     "min_cut_partition",
     "untraced_sharding_propagation",

@@ -33,6 +33,7 @@ from ..regions import BackwardSeqNr, copy_marks_to_backward
 from ..train_step import FunctionalTrainStep, accumulate_grads, named_buffers
 from .registry import CaptureContext
 from .compat import untraced_sharding_propagation
+from .trace_cache import TraceCache
 
 logger = logging.getLogger("graph_trainer")
 
@@ -132,27 +133,37 @@ class TracedStep:
         t0 = time.perf_counter()
         locals_ = [p.to_local() for p in self.params]
         extra = self._extra_inputs()
-        gm = trace_train_step(self.fn, locals_, self.buffers, inputs, labels, self.ctx.device, extra)
+        example_inputs = [*locals_, *self.buffers, inputs, labels, *extra]
+        cache = TraceCache.of(cfg, self.fn.specs, example_inputs, self.ctx.device)
+        gm = cache.load() if cache is not None else None
+        if gm is None:
+            gm = trace_train_step(self.fn, locals_, self.buffers, inputs, labels, self.ctx.device, extra)
         t1 = time.perf_counter()
-        logger.info(f"traced the train step: {len(gm.graph.nodes):,} nodes in {t1 - t0:.1f} s")
+        logger.info(f"{'loaded' if cache is not None and cache.outcome == 'hit' else 'traced'} the train step: "
+                    f"{len(gm.graph.nodes):,} nodes in {t1 - t0:.1f} s")
+        self.ctx.stats["trace_cache"] = cache.outcome if cache is not None else "off"
+        if cache is not None and cache.outcome != "hit":
+            cache.store(gm)
+            self.ctx.stats["trace_store_s"] = time.perf_counter() - t1
         dumper.dump("traced", gm)
         pctx = PassContext(
             cfg=cfg,
             meshes=self.ctx.meshes,
             device=self.ctx.device,
-            example_inputs=[*locals_, *self.buffers, inputs, labels, *extra],
+            example_inputs=example_inputs,
             dumper=dumper,
             num_params=len(self.params),
             num_buffers=len(self.buffers),
             param_fqns=[s.fqn for s in self.fn.specs],
         )
         # The parameter and activation policies decide what the traced step saves before any backend pass sees it.
+        t2 = time.perf_counter()
         gm = apply_passes(gm, parameter_passes(cfg) + activation_passes(cfg), pctx, "train_step")
         self.compiled = get_backend(cfg.compile.inductor_compilation).compile(gm, pctx)
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         if not first:
             self.ctx.stats["retraces"] += 1
-        self.ctx.stats.update(trace_s=t1 - t0, compile_s=t2 - t1, graph=dumper.stages)
+        self.ctx.stats.update(trace_s=t1 - t0, compile_s=t3 - t2, graph=dumper.stages)
         for figures in pctx.report.values():
             self.ctx.stats.update(figures)
         self.signature = self._signature(inputs, labels)
