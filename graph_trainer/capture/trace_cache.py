@@ -50,6 +50,9 @@ IGNORED = {
     "training": ("steps",), "compile": ("cache_dir", "dump_graphs", "list_passes"), "comm": ("timeout_seconds",),
 }
 """Configuration a restart may change that cannot change the traced graph (None: the whole section)."""
+OPTIONS = graph_pickler.Options(ops_filter=None)
+"""Every op is allowed: the step's collectives and graph_trainer's own ops resolve by name at load, where the package
+that registers them is imported."""
 
 
 @functools.cache
@@ -96,25 +99,30 @@ class _Pickler(pickle.Pickler):
     """torch's `GraphPickler` reductions (a fake tensor as its metadata, views kept; an op by its name; a graph
     module node by node with its metadata) on the C pickler. `GraphPickler` itself derives from dill's pure-Python
     pickler where dill is installed (torchtitan's `datasets` installs it): 1.56 s against 0.41 s for llama3's debug
-    model cut to 8 layers (2,233 nodes, CPU). What it writes, `GraphPickler.loads` reads. Every op is allowed: the
-    step's collectives and graph_trainer's own ops resolve by name at load, where the package that registers them
-    is imported."""
-
-    _PASSTHROUGH_TYPES = graph_pickler.GraphPickler._PASSTHROUGH_TYPES
-    reducer_override = graph_pickler.GraphPickler.reducer_override
-    persistent_id = graph_pickler.GraphPickler.persistent_id
+    model cut to 8 layers (2,233 nodes, CPU). What it writes, `GraphPickler.loads` reads. GraphPickler's state
+    (options, the fake tensor describer, ...) is read from one of its own, under whatever names this torch gives it."""
 
     def __init__(self, file: io.BytesIO):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.options = graph_pickler.Options(ops_filter=None)
-        self._unpickle_state = graph_pickler._UnpickleStateToken(object())
-        self._meta_tensor_describer = graph_pickler.MetaTensorDescriber(copy_data=False)
+        own = graph_pickler.GraphPickler
+        state = {k: v for k, v in vars(own).items() if not k.startswith("__") and not isinstance(v, (classmethod, staticmethod))
+                 and not callable(v)}
+        self.__dict__.update({**state, **vars(own(io.BytesIO(), OPTIONS))})
 
-    @classmethod
-    def dumps(cls, gm: fx.GraphModule) -> bytes:
-        with graph_pickler.patch_pytree_map_over_slice(), io.BytesIO() as stream:
-            cls(stream).dump(gm)
+    def reducer_override(self, obj: object) -> Any:
+        return graph_pickler.GraphPickler.reducer_override(self, obj)
+
+    def persistent_id(self, obj: object) -> str | None:
+        return graph_pickler.GraphPickler.persistent_id(self, obj)
+
+
+def _dumps(gm: fx.GraphModule) -> bytes:
+    with graph_pickler.patch_pytree_map_over_slice(), io.BytesIO() as stream:
+        try:
+            _Pickler(stream).dump(gm)
             return stream.getvalue()
+        except Exception:  # noqa: BLE001  (a torch whose GraphPickler works otherwise: its own, slower pickler)
+            return graph_pickler.GraphPickler.dumps(gm, OPTIONS)
 
 
 @dataclass
@@ -154,7 +162,7 @@ class TraceCache:
 
     def store(self, gm: fx.GraphModule) -> None:
         try:
-            self.cache.write(self.key, _Pickler.dumps(gm), self.parts)
+            self.cache.write(self.key, _dumps(gm), self.parts)
         except Exception as e:  # noqa: BLE001  (a trace that cannot be stored still runs)
             logger.warning(f"trace cache: cannot store the traced step in {self.cache.folder} ({compile_cache.first_line(e)}); "
                            "the next start traces it again")
