@@ -14,8 +14,13 @@ def _block(w1: torch.Tensor, w2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x @ w1) @ w2
 
 
-def _backward_graph() -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
-    """The partitioned backward graph of `_block` and the inputs it is called with."""
+def _normed_block(w1: torch.Tensor, w2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A norm between the matmuls: its backward is one op of several outputs, the input's gradient and the weight's."""
+    return torch.nn.functional.layer_norm(x @ w1, (32,), weight=w2[:, 0].contiguous()) @ w2
+
+
+def _backward_graph(block=_block) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """The partitioned backward graph of `block` and the inputs it is called with."""
     torch.manual_seed(0)
     w1, w2, x = (torch.randn(16, 32, requires_grad=True), torch.randn(32, 16, requires_grad=True),
                  torch.randn(8, 16, requires_grad=True))
@@ -28,7 +33,7 @@ def _backward_graph() -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
 
         return make_boxed_func(lambda *args: run(args))
 
-    compiled = aot_function(_block, fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep_backward,
+    compiled = aot_function(block, fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep_backward,
                             partition_fn=min_cut_rematerialization_partition)
     compiled(w1, w2, x).sum().backward()
     gm, args = captured[0]
@@ -52,3 +57,16 @@ def test_split_parts_give_the_unsplit_gradients_bitwise():
     assert all(torch.equal(g, w) for g, w in zip(weights, whole[:2]))
     # dx needs the two activation-gradient matmuls; the weight gradients' two are left for W
     assert _mms(split.input_part) == 2 and _mms(split.weight_part) == 2 and _mms(gm) == 4
+
+
+def test_an_op_of_several_outputs_hands_the_weight_part_tensors():
+    """On GPUs (torch 2.11) the input part returned the fused norm backward's tuple itself, which the compile refused."""
+    gm, args = _backward_graph(_normed_block)
+    assert any(n.target is torch.ops.aten.native_layer_norm_backward.default for n in gm.graph.nodes)
+    whole = gm(*args)
+    split = split_backward(gm, [2])
+    for part in (split.input_part, split.weight_part):
+        assert all(isinstance(o.meta["val"], torch.Tensor) for o in part.graph.output_node().args[0])
+    outs = split.input_part(*args)
+    weights = split.weight_part(*[args[i] for i in split.weight_reads], *outs[1:])
+    assert torch.equal(outs[0], whole[2]) and all(torch.equal(g, w) for g, w in zip(weights, whole[:2]))

@@ -17,6 +17,7 @@ gradient from several graph outputs and cannot be handed none for it (validate.p
 from __future__ import annotations
 
 import collections
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -59,6 +60,10 @@ def split_backward(gm: fx.GraphModule, input_positions: Sequence[int]) -> Backwa
         need.add(node)
         stack.extend(node.all_input_nodes)
     body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    # An op of several outputs (the fused RMSNorm's backward on GPUs: the input's and the weight's gradient) that the
+    # input part runs hands the weight part its outputs, not itself: a part's output is then a tensor, never a tuple,
+    # which torch 2.11's compile refuses ("output spec mismatch").
+    need |= {n for n in body if n.target is operator.getitem and n.args[0] in need}
     first = [n for n in body if n in need]
     rest = [n for n in body if n not in need]
     read_by_rest = {a for n in rest for a in n.all_input_nodes}

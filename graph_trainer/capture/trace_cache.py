@@ -21,6 +21,7 @@ unpickle is one warning line and a fresh trace.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -117,7 +118,9 @@ class _Pickler(pickle.Pickler):
 
 
 def _dumps(gm: fx.GraphModule) -> bytes:
-    with graph_pickler.patch_pytree_map_over_slice(), io.BytesIO() as stream:
+    # torch 2.13's GraphPickler registers slices with pytree while it pickles (torch 2.11 has no such patch)
+    slices = getattr(graph_pickler, "patch_pytree_map_over_slice", contextlib.nullcontext)
+    with slices(), io.BytesIO() as stream:
         try:
             _Pickler(stream).dump(gm)
             return stream.getvalue()
