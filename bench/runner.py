@@ -155,6 +155,9 @@ def summarize(run: Run, found: list[dict], wall_s: float, rc: int, tail: str) ->
     out = {"name": run.name, "group": run.group, "trainer": run.trainer, "nproc": run.nproc, "args": run.args,
            "returncode": rc, "wall_s": round(wall_s, 1), "steps": len(found),
            "losses": [r["loss"] for r in found], "grad_norms": [r.get("grad_norm") for r in found]}
+    if any("dropped_tokens" in r for r in found):
+        # MoE pairs past the capacity, per step: what a capacity factor cost, beside its speed
+        out["dropped_tokens"] = [r.get("dropped_tokens") for r in found]
     if not steady:
         # a run cut short in its warm-up has no throughput to report: its first steps include compilation
         out["error"] = f"{len(found)} steps, none after the {WARMUP_STEPS}-step warm-up: {tail}" if found else tail

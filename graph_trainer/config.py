@@ -128,7 +128,8 @@ class Parallelism:
     """With FSDP under pp: `step` gathers each stage parameter once per pipeline step and reduce-scatters its gradient
     once, holding the rank's stage parameters unsharded (compute dtype) with fp32 gradient sums through the step, 6 bytes
     a parameter with bf16; `microbatch` gathers in every microbatch's forward and reduce-scatters in its backward (the
-    memory of a sharded step; bitwise the pp 1 step, where `step` adds the microbatches' gradients before averaging)."""
+    parameters unsharded only while a graph runs; bitwise the pp 1 step, where `step` adds the microbatches' gradients
+    before averaging; on 4 H100s, 8B-16L, the same peak memory as `step` and slower)."""
     pp_layers_per_stage: list[str] = field(default_factory=list)
     """Transformer layers in each stage, comma separated (e.g. 1,3); empty: an even split; `balanced`: the split that evens
     out the ranks' and stages' FLOPs (the output projection weighs as much as two 8B layers). The first stage also holds
@@ -165,7 +166,9 @@ class Compile:
     cache_dir: str = "auto"
     """Where full Inductor stores each compiled graph, keyed by the graph (after the passes), torch/Triton versions, device
     kind, mesh and Inductor options, so the next start of the same job loads it instead of compiling (also on every rank);
-    auto = <job.dump_folder>/compile_cache; off (or empty) compiles every time. `graph-trainer precompile` fills it."""
+    each rank also stores its traced step (traces/, keyed by the code, config, placements, inputs and rank), so a restart
+    does not trace. auto = <job.dump_folder>/compile_cache; off (or empty) compiles and traces every time.
+    `graph-trainer precompile` fills it."""
     block_reuse: bool = True
     """Full Inductor on the aot_fx_trace step: cut it at every block, communication run and in-graph parameter update,
     and compile each distinct piece once, when the distinct pieces hold at most half the step's ops (false: compile
