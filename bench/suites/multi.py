@@ -124,8 +124,9 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
         # stages, and with the split that balances the output projection's work (our best)
         titan_split = ["--parallelism.pp_layers_per_stage", ",".join(map(str, c.titan_stage_layers()))]
         balanced = ["--parallelism.pp_layers_per_stage", "balanced"]
-        # FSDP gathered in each microbatch's forward and reduce-scattered in its backward, bucketed: the memory of a
-        # sharded step, where the default (gathered once per step) held 1.4x torchtitan's peak active memory
+        # FSDP gathered in each microbatch's forward and reduce-scattered in its backward, bucketed, against the default
+        # (gathered once per step, 1.4x torchtitan's peak active memory): on 4 H100s the same 44.5 GiB peak and 0.93x
+        # torchtitan compile (bench/results/2026-11-28-deepseek-capacity-and-pp-gather)
         microbatch = (["--parallelism.pp_gather", "microbatch", "--compile.passes", "auto_bucketing"]
                       if c.dp_shard > 1 else [])
         return [theirs("titan compile", c.group, ["--compile.enable"], profile=True),
@@ -146,6 +147,7 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
     # MoE with the capacity of configs/deepseek_v3_16b.toml: without a limit each peer's dispatch buffer holds every
     # routed pair of the rank, ep x torchtitan's all-to-all bytes (0.94x torchtitan compile at dp_shard 4 x ep 4 on
     # 4 H100s, bench/results/2026-11-27-deepseek-dp4-ep4); at 2.0, 2x, with the drops counted in `dropped_tokens`
+    # (1.10x, and 1.06x with ep_overlap: bench/results/2026-11-28-deepseek-capacity-and-pp-gather)
     capacity_2 = ["--parallelism.moe_capacity_factor", "2.0"]
     capacity = [ours("gt full capacity 2", c.group, FULL + capacity_2, profile=True),
                 ours("gt full ep_overlap capacity 2", c.group, FULL + capacity_2 + ["--compile.passes", ",".join(schedule + overlap)],
