@@ -166,8 +166,8 @@ class Compile:
     cache_dir: str = "auto"
     """Where full Inductor stores each compiled graph, keyed by the graph (after the passes), torch/Triton versions, device
     kind, mesh and Inductor options, so the next start of the same job loads it instead of compiling (also on every rank);
-    each rank also stores its traced step (traces/, keyed by the code, config, placements, inputs and rank), so a restart
-    does not trace. auto = <job.dump_folder>/compile_cache; off (or empty) compiles and traces every time.
+    the traced step is stored there too (traces/, keyed by the code, config, placements, inputs and, where ranks' graphs
+    differ, the rank), so a restart does not trace. auto = <job.dump_folder>/compile_cache; off (or empty) compiles and traces every time.
     `graph-trainer precompile` fills it."""
     block_reuse: bool = True
     """Full Inductor on the aot_fx_trace step: cut it at every block, communication run and in-graph parameter update,

@@ -30,7 +30,7 @@ import logging
 
 import torch.distributed as dist
 
-from .compile_cache import cache_folder
+from .compile_cache import CACHED_BACKENDS, cache_folder
 from .config import ConfigError, JobConfig
 from .defaults import resolve
 from .parallel.fake_data import restore_collectives
@@ -38,8 +38,6 @@ from .parallel.mesh import device_type
 from .passes.registry import run_teardowns
 
 logger = logging.getLogger("graph_trainer")
-
-CACHED_BACKENDS = ("full", "autoparallel_backend")
 
 
 def job_world_size(cfg: JobConfig) -> int:

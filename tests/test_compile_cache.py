@@ -89,6 +89,7 @@ def test_precompile_on_the_fake_process_group_warms_a_two_rank_gloo_job(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "precompile: rank 0: miss (rank 0 stands for all 2)" in proc.stdout
     stored = entries(cache)
+    pre_traces = entries(cache / "traces")
     # Both gloo ranks stored what they compiled in the cold run: the same keys as the one fake rank's,
     # so the fake trace has the real ranks' graphs (group names, shapes) and rank 0 stands for rank 1.
     assert set(stored) == set(entries(gloo_folder / "compile_cache"))
@@ -98,15 +99,10 @@ def test_precompile_on_the_fake_process_group_warms_a_two_rank_gloo_job(tmp_path
     # Rank 1 logs only warnings: that it loaded too shows in the cache, which a rank that compiled would have written to.
     assert entries(cache) == stored
     assert losses(warm) == losses(gloo) and grad_norms(warm) == grad_norms(gloo)
-    # Each rank traced its step (the fake rank's trace is keyed by its fake communication) and stored it; started
-    # again, both load it: a rank that traced would have rewritten its entry.
-    assert warm[0]["trace_cache"] == "miss"
-    traces = entries(cache / "traces")
-    assert len(traces) == 3
-    train(["--job.dump_folder", str(tmp_path / "again"), *full_inductor(2), "--compile.cache_dir", str(cache)], nproc=2)
-    again = read_metrics(tmp_path / "again")
-    assert again[0]["trace_cache"] == "hit" and entries(cache / "traces") == traces
-    assert losses(again) == losses(gloo) and grad_norms(again) == grad_norms(gloo)
+    # Nor did either rank trace: the fake rank's traced step (one entry, a mesh of one dimension) served both, and a
+    # rank that traced would have stored an entry of its own or rewritten that one.
+    assert warm[0]["trace_cache"] == "hit"
+    assert len(entries(cache / "traces")) == 1 and entries(cache / "traces") == pre_traces
 
 
 def _step(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:

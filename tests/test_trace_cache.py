@@ -16,9 +16,10 @@ from torch.distributed.tensor import Replicate, Shard
 
 from traced_step import trace_step
 
-from graph_trainer.capture.trace_cache import TraceCache, trace_key
+from graph_trainer.capture.trace_cache import TraceCache, _rank, trace_key
 from graph_trainer.compile_cache import CompileCache, graph_fingerprint
 from graph_trainer.config import parse_args
+from graph_trainer.parallel.mesh import Degrees
 from graph_trainer.passes.compat import LazyGraphModule
 from graph_trainer.passes.registry import apply_passes
 from graph_trainer.train_step import ParamSpec
@@ -82,21 +83,33 @@ def test_the_key_follows_what_the_trace_depends_on(fake_pg):
     def key(flags=(), placements=(Shard(0),), shape=(8, 4)) -> str:
         cfg = parse_args(["--compile.inductor_compilation", "full", *flags])
         spec = ParamSpec("w", mesh, placements, torch.Size((16, 4)), (4, 1))
-        return trace_key(cfg, [spec], [torch.empty(shape)], cpu)[0]
+        return trace_key(cfg, [spec], [torch.empty(shape)], cpu, Degrees(1, 2, 1, 1))[0]
 
-    # what a restart may change: where it writes, how long it runs, checkpoints, metrics, profiles, the cache folder
+    # what a restart may change: where it writes, how long it runs, checkpoints, metrics, profiles, the cache folder;
+    # and precompile's fake process group, which traces the real one's graph
     same = [key(("--training.steps", "7")), key(("--job.dump_folder", "/elsewhere")), key(("--checkpoint.enable",)),
             key(("--metrics.log_freq", "5")), key(("--profiling.enable",)), key(("--compile.cache_dir", "/c")),
-            key(("--compile.dump_graphs",))]
+            key(("--compile.dump_graphs",)), key(("--comm.mode", "fake", "--comm.fake_world_size", "2"))]
     assert set(same) == {key()}
     changed = [key(("--model.n_layers", "3")), key(("--activation_checkpoint.mode", "full")),
                key(("--training.max_norm", "0.5")), key(("--compile.passes", "auto_bucketing")),
-               key(placements=(Replicate(),)), key(shape=(4, 8)), key(("--comm.mode", "fake"))]
+               key(placements=(Replicate(),)), key(shape=(4, 8))]
     assert len({key(), *changed}) == len(changed) + 1
+
+
+def test_the_rank_is_in_the_key_where_the_ranks_graphs_differ(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    for rank in (0, 3):
+        monkeypatch.setattr(dist, "get_rank", lambda rank=rank: rank)
+        # one split dimension: every rank's collectives use the same groups, one entry serves all
+        assert _rank(Degrees(1, 4, 1, 1)) == [0, 4]
+        # two: each rank's groups are its own
+        assert _rank(Degrees(1, 2, 2, 1)) == [rank, 4] and _rank(Degrees(2, 2, 1, 1)) == [rank, 4]
 
 
 def test_no_trace_is_stored_where_the_backend_stores_no_compile(tmp_path):
     cfg = parse_args(["--compile.inductor_compilation", "none", "--compile.cache_dir", str(tmp_path)])
-    assert TraceCache.of(cfg, [], [], torch.device("cpu")) is None
+    assert TraceCache.of(cfg, [], [], torch.device("cpu"), Degrees(1, 1, 1, 1)) is None
     cfg = parse_args(["--compile.inductor_compilation", "full", "--compile.cache_dir", "off"])
-    assert TraceCache.of(cfg, [], [], torch.device("cpu")) is None
+    assert TraceCache.of(cfg, [], [], torch.device("cpu"), Degrees(1, 1, 1, 1)) is None

@@ -134,7 +134,7 @@ class TracedStep:
         locals_ = [p.to_local() for p in self.params]
         extra = self._extra_inputs()
         example_inputs = [*locals_, *self.buffers, inputs, labels, *extra]
-        cache = TraceCache.of(cfg, self.fn.specs, example_inputs, self.ctx.device)
+        cache = TraceCache.of(cfg, self.fn.specs, example_inputs, self.ctx.device, self.ctx.meshes.degrees)
         gm = cache.load() if cache is not None else None
         if gm is None:
             gm = trace_train_step(self.fn, locals_, self.buffers, inputs, labels, self.ctx.device, extra)

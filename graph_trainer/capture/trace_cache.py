@@ -14,7 +14,8 @@ The key is everything the trace depends on:
   checkpoints, metrics, profiling);
 - the parameters' placements (mesh, placements, global shape and stride), the shape, stride, dtype and
   device of every input, and the device kind (attention's kernel is chosen by the GPU while tracing);
-- the rank and the number of ranks: a rank's graph names its own process groups and shards.
+- the number of ranks, and the rank where ranks' graphs differ (a mesh split along two or more dimensions:
+  each rank's collectives name their own process groups).
 A key that differs is a miss and a fresh trace; an entry that is truncated, corrupt or that torch cannot
 unpickle is one warning line and a fresh trace.
 """
@@ -39,6 +40,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import compile_cache
+from ..parallel.mesh import Degrees
 from ..passes.compat import LazyGraphModule
 from ..train_step import ParamSpec
 from .compat import graph_pickler
@@ -47,9 +49,12 @@ logger = logging.getLogger("graph_trainer")
 
 IGNORED = {
     "job": None, "checkpoint": None, "metrics": None, "profiling": None,
-    "training": ("steps",), "compile": ("cache_dir", "dump_graphs", "list_passes"), "comm": ("timeout_seconds",),
+    "training": ("steps",), "compile": ("cache_dir", "dump_graphs", "list_passes"),
+    "comm": ("timeout_seconds", "mode", "fake_world_size", "fake_rank"),
 }
-"""Configuration a restart may change that cannot change the traced graph (None: the whole section)."""
+"""Configuration a restart may change that cannot change the traced graph (None: the whole section). The fake process
+group traces the graph the real one does (`graph-trainer precompile` relies on it for the compile cache, whose keys
+are the graphs): a precompiled trace serves the job."""
 OPTIONS = graph_pickler.Options(ops_filter=None)
 """Every op is allowed: the step's collectives and graph_trainer's own ops resolve by name at load, where the package
 that registers them is imported."""
@@ -81,7 +86,18 @@ def _placement(spec: ParamSpec) -> list:
             list(spec.shape), list(spec.stride)]
 
 
-def trace_key(cfg: Any, specs: Sequence[ParamSpec], inputs: Sequence[torch.Tensor], device: torch.device) -> tuple[str, dict]:
+def _rank(degrees: Degrees) -> list[int]:
+    """The rank and world size, where the ranks' graphs differ: on a mesh split along two or more dimensions each
+    rank's collectives name process groups of its own; along one, every rank traces the same graph (its shard's
+    shape, which uneven sharding may change, is among the inputs), so one entry serves them all, as precompile's
+    rank 0 stands for every rank in the compile cache."""
+    split = [d for d in (degrees.dp_replicate, degrees.dp_shard, degrees.tp, degrees.ep) if d > 1]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return [dist.get_rank() if dist.is_initialized() and len(split) > 1 else 0, world]
+
+
+def trace_key(cfg: Any, specs: Sequence[ParamSpec], inputs: Sequence[torch.Tensor], device: torch.device,
+              degrees: Degrees) -> tuple[str, dict]:
     """The key of the step's trace with these parameters and inputs, and the parts it hashes."""
     parts = {
         "code": {"graph_trainer": _sources_hash("graph_trainer"), "torchtitan": _sources_hash("torchtitan")},
@@ -90,7 +106,7 @@ def trace_key(cfg: Any, specs: Sequence[ParamSpec], inputs: Sequence[torch.Tenso
         "params": [_placement(s) for s in specs],
         "inputs": [compile_cache.value_key(x) for x in inputs],
         "device": compile_cache.device_kind(device),
-        "rank": [dist.get_rank(), dist.get_world_size()] if dist.is_initialized() else [0, 1],
+        "rank": _rank(degrees),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest(), parts
 
@@ -137,13 +153,14 @@ class TraceCache:
     outcome: str = "miss"
 
     @classmethod
-    def of(cls, cfg: Any, specs: Sequence[ParamSpec], inputs: Sequence[torch.Tensor], device: torch.device) -> TraceCache | None:
+    def of(cls, cfg: Any, specs: Sequence[ParamSpec], inputs: Sequence[torch.Tensor], device: torch.device,
+           degrees: Degrees) -> TraceCache | None:
         """The entry of this trace in the job's cache; None when the cache is off, or the backend stores no compile
         (then tracing is most of a start's time but a small part of a CPU test's, and storing would add to it)."""
         folder = compile_cache.cache_folder(cfg)
         if folder is None or cfg.compile.inductor_compilation not in compile_cache.CACHED_BACKENDS:
             return None
-        return cls(compile_cache.CompileCache(folder / "traces"), *trace_key(cfg, specs, inputs, device))
+        return cls(compile_cache.CompileCache(folder / "traces"), *trace_key(cfg, specs, inputs, device, degrees))
 
     def load(self) -> fx.GraphModule | None:
         try:
