@@ -139,10 +139,10 @@ class TracedStep:
         if gm is None:
             gm = trace_train_step(self.fn, locals_, self.buffers, inputs, labels, self.ctx.device, extra)
         t1 = time.perf_counter()
-        logger.info(f"{'loaded' if cache is not None and cache.outcome == 'hit' else 'traced'} the train step: "
-                    f"{len(gm.graph.nodes):,} nodes in {t1 - t0:.1f} s")
-        self.ctx.stats["trace_cache"] = cache.outcome if cache is not None else "off"
-        if cache is not None and cache.outcome != "hit":
+        outcome = cache.outcome if cache is not None else "off"
+        logger.info(f"{'loaded' if outcome == 'hit' else 'traced'} the train step: {len(gm.graph.nodes):,} nodes in {t1 - t0:.1f} s")
+        self.ctx.stats["trace_cache"] = outcome
+        if cache is not None and outcome != "hit":
             cache.store(gm)
             self.ctx.stats["trace_store_s"] = time.perf_counter() - t1
         dumper.dump("traced", gm)
