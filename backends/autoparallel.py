@@ -19,10 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 from torch import fx
 
 from graph_trainer.config import ConfigError, JobConfig
 from graph_trainer.passes.bucketing_compat import META_AUTOPARALLEL_INSTALL, meta_autobucketing
+from graph_trainer.passes import compile_workers
 from graph_trainer.passes.registry import PASSES, PassContext, apply_passes
 
 from .base import register_backend
@@ -49,6 +51,9 @@ class AutoParallelBackend:
         rest = [p for p in user_passes if p not in own]
         at = next((i for i, p in enumerate(rest) if p in PASSES and PASSES[p].must_be_last), len(rest))
         return rest[:at] + SCHEDULE_AND_COMPILE + rest[at:]
+
+    def prepare(self, cfg: Any, device: torch.device) -> None:
+        compile_workers.start(self.pass_names(cfg.compile.passes), cfg, device)
 
     def compile(self, gm: fx.GraphModule, ctx: PassContext) -> Callable[..., Any]:
         check_config(ctx.cfg)

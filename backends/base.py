@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
+import torch
 from torch import fx
 
 from graph_trainer.passes.registry import PassContext
@@ -20,6 +21,9 @@ class Backend(Protocol):
 
     def pass_names(self, user_passes: list[str]) -> list[str]:
         """The full, ordered pass list this backend runs for the user's `--compile.passes`."""
+
+    def prepare(self, cfg: Any, device: torch.device) -> None:
+        """Start what the compile will need and the graph does not decide (processes), before the step is traced."""
 
     def compile(self, gm: fx.GraphModule, ctx: PassContext) -> Callable[..., Any]:
         """Transform and compile the train-step graph; the result is called with the graph's inputs."""

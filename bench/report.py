@@ -174,7 +174,8 @@ def _compile_table(results: list[dict]) -> list[str]:
     if not rows:
         return []
     lines = ["", "Time to the first step of the full-Inductor runs (the first step's record in metrics.jsonl; trace, the graph "
-             "passes before the decomposition, the decomposition with the distinct pieces it decomposed, Inductor, and the "
+             "passes before the decomposition, the decomposition with the distinct pieces it decomposed (and the pieces compile "
+             "workers compiled in it, with their number), Inductor, and the "
              "host time of the first call and of the first clip + update; trace is the load of the stored trace where the "
              "trace cache hit, and a miss stores the trace in the time after it):", "",
              "| group | run | compile cache | trace cache | blocks compiled / layers | trace s | trace stored s | passes s | "
@@ -186,6 +187,8 @@ def _compile_table(results: list[dict]) -> list[str]:
         passes = [v for k, v in r.items() if k.startswith("pass_") and k not in ("pass_inductor_decomposition_s",
                                                                                 "pass_full_inductor_compilation_s")]
         pieces = f" ({r['decomposed_pieces']})" if "decomposed_pieces" in r else ""
+        if r.get("compile_workers"):
+            pieces += f", {r.get('worker_compiled_pieces', 0)} by {r['compile_workers']} workers"
         first = r["first_call_s"] + r["optimizer_s"] if "first_call_s" in r and "optimizer_s" in r else None
         lines.append(f"| {r['group']} | {r['name']} | {r.get('compile_cache', '-')} | {r.get('trace_cache', '-')} | {blocks} | "
                      f"{_fmt(r, 'trace_s', '.1f')} | {_fmt(r, 'trace_store_s', '.1f')} | {sum(passes):.1f} | {_fmt(r, 'pass_inductor_decomposition_s', '.1f')}{pieces} | "

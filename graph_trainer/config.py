@@ -173,6 +173,11 @@ class Compile:
     """Full Inductor on the aot_fx_trace step: cut it at every block, communication run and in-graph parameter update,
     and compile each distinct piece once, when the distinct pieces hold at most half the step's ops (false: compile
     the whole step as one graph)."""
+    compile_workers: int = -1
+    """Processes per rank that compile the distinct pieces of a block-reused step in parallel, into the compile cache
+    (needs it on), started while the step is traced. -1 = auto: one per 2 CPU cores on a GPU rank alone on its node
+    (LOCAL_WORLD_SIZE 1: one GPU, `graph-trainer precompile`), else none (several ranks of one node compiled slower
+    with them). 0: the rank compiles every piece itself."""
 
 
 @dataclass

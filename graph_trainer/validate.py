@@ -151,6 +151,8 @@ def check_compile(cfg: JobConfig, device_type: str) -> None:
     from graph_trainer.backends.autoparallel import check_config
 
     check_config(cfg)
+    if cfg.compile.compile_workers < -1:
+        raise ConfigError(f"compile.compile_workers must be -1 (auto), 0 (none) or a count of processes, got {cfg.compile.compile_workers}")
     if cfg.parallelism.moe_capacity_factor < 0:
         raise ConfigError(f"parallelism.moe_capacity_factor must be >= 0 (0: never drop tokens), got {cfg.parallelism.moe_capacity_factor}")
 

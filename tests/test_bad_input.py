@@ -135,6 +135,7 @@ CASES = [
     Case("min_lr_factor_above_one", ["--lr_scheduler.min_lr_factor", "1.5"], "min_lr_factor must be in [0, 1]"),
     Case("log_freq_zero", ["--metrics.log_freq", "0"], "metrics.log_freq must be >= 1"),
     Case("timeout_zero", ["--comm.timeout_seconds", "0"], "comm.timeout_seconds must be >= 1"),
+    Case("compile_workers_below_auto", ["--compile.compile_workers", "-2"], "compile.compile_workers must be -1 (auto), 0 (none) or a count"),
     Case("profile_past_the_last_step", ["--profiling.enable", "--training.steps", "5", "--profiling.start_step", "5",
                                         "--profiling.steps", "2"], "--profiling.start_step 4 --profiling.steps 1"),
     # files

@@ -123,10 +123,10 @@ def test_decomposing_each_distinct_piece_once_gives_the_whole_decomposition(monk
     """The 8-block step (5 distinct pieces of 16) decomposed piece by piece: the same ops in the same order, each with
     its own block's marks and source, computing the same values bit for bit."""
     gm, ctx, real = deep_step(8)
-    whole = inductor._decompose(gm, ctx)
+    whole = inductor.decompose(gm, inductor.fake_inputs(gm, ctx))
     calls = []
-    decompose = inductor._decompose
-    monkeypatch.setattr(inductor, "_decompose", lambda piece, ctx: calls.append(piece) or decompose(piece, ctx))
+    decompose = inductor.decompose
+    monkeypatch.setattr(inductor, "decompose", lambda piece, inputs: calls.append(piece) or decompose(piece, inputs))
     pieces = inductor.inductor_decomposition(gm, ctx)
     assert len(calls) == 5
     assert _ops(pieces) == _ops(whole)
@@ -139,10 +139,10 @@ def test_llama3_decomposed_by_piece_equals_the_whole_decomposition_where_collect
     """12 blocks, 16 distinct pieces (see above): prefetched all-gathers issued in one piece and waited in the next."""
     gm, ctx = trace_llama("--model.n_layers", "12")
     gm = apply_passes(gm, ["transformer_block_bucketing"], ctx, "train_step")
-    whole = inductor._decompose(gm, ctx)
+    whole = inductor.decompose(gm, inductor.fake_inputs(gm, ctx))
     calls = []
-    decompose = inductor._decompose
-    monkeypatch.setattr(inductor, "_decompose", lambda piece, ctx: calls.append(piece) or decompose(piece, ctx))
+    decompose = inductor.decompose
+    monkeypatch.setattr(inductor, "decompose", lambda piece, inputs: calls.append(piece) or decompose(piece, inputs))
     assert _ops(inductor.inductor_decomposition(gm, ctx)) == _ops(whole)
     assert len(calls) == 16
 
@@ -155,8 +155,8 @@ def test_a_graph_with_subgraphs_is_decomposed_whole(monkeypatch):
     with gm.graph.inserting_before(next(iter(gm.graph.find_nodes(op="output")))):
         gm.graph.get_attr("score_fn")
     calls = []
-    decompose = inductor._decompose
-    monkeypatch.setattr(inductor, "_decompose", lambda graph, ctx: calls.append(graph) or decompose(graph, ctx))
+    decompose = inductor.decompose
+    monkeypatch.setattr(inductor, "decompose", lambda graph, inputs: calls.append(graph) or decompose(graph, inputs))
     inductor.inductor_decomposition(gm, ctx)
     assert calls == [gm]
 

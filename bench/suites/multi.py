@@ -161,6 +161,8 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
         *capacity,
         # the same job started again: its time to first step with the compile cache the cold run filled
         replace(ours("gt full restart", c.group, FULL), warm_from="gt aot_fx_trace full"),
+        # the cold compile without compile workers (passes/compile_workers.py): every piece compiled by each rank itself
+        ours("gt full no compile workers", c.group, FULL + ["--compile.compile_workers", "0"]),
         *overlapped,
         theirs("titan compile", auto, ["--compile.enable"]),
         ours("gt full auto-placed", auto, FULL + ["--compile.autoparallel"], profile=True),

@@ -98,6 +98,9 @@ def suite_scale(steps: int, gpus: int) -> list[Run]:
         # the same job started again, on the compile cache the cold run filled; and the in-graph optimizer
         # alone, whose cold compile is held to at most 1.2x the full compile's
         runs.append(replace(Run("gt full restart", "gt", 1, base + full, group=group, torchrun=False), warm_from="gt aot_fx_trace full"))
+        # the cold compile without compile workers (passes/compile_workers.py): every piece compiled by the rank itself
+        runs.append(Run("gt full no compile workers", "gt", 1, base + full + ["--compile.compile_workers", "0"], group=group,
+                        torchrun=False))
         runs.append(Run("gt full + optimizer_in_graph", "gt", 1, base + full + ["--compile.optimizer_in_graph"], group=group,
                         torchrun=False, profile="--parallelism.tp" in gt_mesh))
         # our best configuration on every config, profiled (the report's top kernels say where its time goes)

@@ -23,7 +23,6 @@ try:
     )
     from torch._functorch import config as functorch_config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch.fx import _graph_pickler as graph_pickler
 except ImportError as e:  # pragma: no cover  (only on a torch outside the supported range)
     raise ImportError(
         f"graph-trainer's jit/aot modes need torch 2.11-2.13 private AOTAutograd APIs; torch {torch.__version__} "
@@ -36,7 +35,6 @@ __all__ = [
     "aot_autograd",
     "aot_compile_joint_with_descriptors",
     "aot_export_joint_with_descriptors",
-    "graph_pickler",
     "make_boxed_func",
     "min_cut_partition",
     "untraced_sharding_propagation",

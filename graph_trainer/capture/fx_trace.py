@@ -135,8 +135,11 @@ class TracedStep:
         extra = self._extra_inputs()
         example_inputs = [*locals_, *self.buffers, inputs, labels, *extra]
         cache = TraceCache.of(cfg, self.fn.specs, example_inputs, self.ctx.device, self.ctx.meshes.degrees)
+        backend = get_backend(cfg.compile.inductor_compilation)
         gm = cache.load() if cache is not None else None
         if gm is None:
+            # a step that must be traced is most likely compiled afresh too: the backend starts its compile workers now
+            backend.prepare(cfg, self.ctx.device)
             gm = trace_train_step(self.fn, locals_, self.buffers, inputs, labels, self.ctx.device, extra)
         t1 = time.perf_counter()
         outcome = cache.outcome if cache is not None else "off"
@@ -159,7 +162,7 @@ class TracedStep:
         # The parameter and activation policies decide what the traced step saves before any backend pass sees it.
         t2 = time.perf_counter()
         gm = apply_passes(gm, parameter_passes(cfg) + activation_passes(cfg), pctx, "train_step")
-        self.compiled = get_backend(cfg.compile.inductor_compilation).compile(gm, pctx)
+        self.compiled = backend.compile(gm, pctx)
         t3 = time.perf_counter()
         if not first:
             self.ctx.stats["retraces"] += 1

@@ -22,42 +22,33 @@ unpickle is one warning line and a fresh trace.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib
-import io
 import json
 import logging
-import pickle
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .. import compile_cache
+from .. import compile_cache, graph_pickle
 from ..parallel.mesh import Degrees
-from ..passes.compat import LazyGraphModule
 from ..train_step import ParamSpec
-from .compat import graph_pickler
 
 logger = logging.getLogger("graph_trainer")
 
 IGNORED = {
     "job": None, "checkpoint": None, "metrics": None, "profiling": None,
-    "training": ("steps",), "compile": ("cache_dir", "dump_graphs", "list_passes"),
+    "training": ("steps",), "compile": ("cache_dir", "dump_graphs", "list_passes", "compile_workers"),
     "comm": ("timeout_seconds", "mode", "fake_world_size", "fake_rank"),
 }
 """Configuration a restart may change that cannot change the traced graph (None: the whole section). The fake process
 group traces the graph the real one does (`graph-trainer precompile` relies on it for the compile cache, whose keys
 are the graphs): a precompiled trace serves the job."""
-OPTIONS = graph_pickler.Options(ops_filter=None)
-"""Every op is allowed: the step's collectives and graph_trainer's own ops resolve by name at load, where the package
-that registers them is imported."""
 
 
 @functools.cache
@@ -111,38 +102,6 @@ def trace_key(cfg: Any, specs: Sequence[ParamSpec], inputs: Sequence[torch.Tenso
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest(), parts
 
 
-class _Pickler(pickle.Pickler):
-    """torch's `GraphPickler` reductions (a fake tensor as its metadata, views kept; an op by its name; a graph
-    module node by node with its metadata) on the C pickler. `GraphPickler` itself derives from dill's pure-Python
-    pickler where dill is installed (torchtitan's `datasets` installs it): 1.56 s against 0.41 s for llama3's debug
-    model cut to 8 layers (2,233 nodes, CPU). What it writes, `GraphPickler.loads` reads. GraphPickler's state
-    (options, the fake tensor describer, ...) is read from one of its own, under whatever names this torch gives it."""
-
-    def __init__(self, file: io.BytesIO):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        own = graph_pickler.GraphPickler
-        state = {k: v for k, v in vars(own).items() if not k.startswith("__") and not isinstance(v, (classmethod, staticmethod))
-                 and not callable(v)}
-        self.__dict__.update({**state, **vars(own(io.BytesIO(), OPTIONS))})
-
-    def reducer_override(self, obj: object) -> Any:
-        return graph_pickler.GraphPickler.reducer_override(self, obj)
-
-    def persistent_id(self, obj: object) -> str | None:
-        return graph_pickler.GraphPickler.persistent_id(self, obj)
-
-
-def _dumps(gm: fx.GraphModule) -> bytes:
-    # torch 2.13's GraphPickler registers slices with pytree while it pickles (torch 2.11 has no such patch)
-    slices = getattr(graph_pickler, "patch_pytree_map_over_slice", contextlib.nullcontext)
-    with slices(), io.BytesIO() as stream:
-        try:
-            _Pickler(stream).dump(gm)
-            return stream.getvalue()
-        except Exception:  # noqa: BLE001  (a torch whose GraphPickler works otherwise: its own, slower pickler)
-            return graph_pickler.GraphPickler.dumps(gm, OPTIONS)
-
-
 @dataclasses.dataclass
 class TraceCache:
     """One step's entry: `load` it, or `store` the step once traced; `outcome` is hit, miss or refused (why)."""
@@ -167,7 +126,7 @@ class TraceCache:
             payload = self.cache.read(self.key)
             if payload is None:
                 return None
-            loaded = graph_pickler.GraphPickler.loads(payload, FakeTensorMode(allow_non_fake_inputs=False))
+            loaded = graph_pickle.loads(payload)
         except Exception as e:  # noqa: BLE001  (an entry that cannot be used means: trace afresh)
             why = str(e) if isinstance(e, compile_cache.Refused) else f"torch could not unpickle it ({compile_cache.first_line(e)})"
             logger.warning(f"trace cache: entry {self.cache.path(self.key)} refused ({why}); tracing afresh")
@@ -175,13 +134,13 @@ class TraceCache:
             return None
         self.outcome = "hit"
         logger.info(f"trace cache: hit, entry {self.cache.path(self.key)}")
-        # a lazy graph module, as make_fx returns one: the passes recompile the step several times, and an eager one
-        # writes its code each time (on llama3 8B, one H100, the passes took 2.7 s on the loaded step, 1.2 s traced)
-        return LazyGraphModule(loaded, loaded.graph)
+        # lazy: the passes recompile the step several times, and an eager module writes its code each time (on llama3
+        # 8B, one H100, the passes took 2.7 s on the loaded step, 1.2 s traced)
+        return loaded
 
     def store(self, gm: fx.GraphModule) -> None:
         try:
-            self.cache.write(self.key, _dumps(gm), self.parts)
+            self.cache.write(self.key, graph_pickle.dumps(gm), self.parts)
         except Exception as e:  # noqa: BLE001  (a trace that cannot be stored still runs)
             logger.warning(f"trace cache: cannot store the traced step in {self.cache.folder} ({compile_cache.first_line(e)}); "
                            "the next start traces it again")

@@ -5,7 +5,7 @@ collective shapes are those of that rank, but collectives move no data, so what 
 uninitialised memory. `graph-trainer train --comm.mode fake`, `graph-trainer plan` and fake-mesh
 traces all build on it.
 
-Also the private Tensor attribute eager resharding (simple_fsdp.reshard_after_forward) finds views with,
+Also the names process groups are registered under (`group_ranks`, `fake_groups_named`), the private Tensor attribute eager resharding (simple_fsdp.reshard_after_forward) finds views with,
 and the functional collectives eager SimpleFSDP gathers with (renamed in torch 2.13), and whether
 autograd's engine is running a backward pass.
 """
@@ -30,6 +30,28 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     debug._clear_sharding_prop_cache()
     debug._clear_fast_path_sharding_prop_cache()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def group_ranks(group_name: str) -> list[int]:
+    """The global ranks of the process group this process registered under `group_name` (the name a traced
+    collective calls it by)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_process_group_ranks(_resolve_process_group(group_name))
+
+
+def fake_groups_named(world_size: int, rank: int, groups: dict[str, list[int]]) -> None:
+    """Make this process rank `rank` of `world_size` on the fake process group, with a group of the given global
+    ranks registered under each name: the groups another process's graph names its collectives by, which
+    Inductor resolves while it compiles the graph (torch 2.13 reads each group's size and rank for the
+    graph's repro script)."""
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+
+    init_fake_process_group(world_size, rank)
+    for name, ranks in groups.items():
+        group = dist.new_group(ranks)
+        _unregister_process_group(name)
+        _register_process_group(name, group)
 
 
 def is_fake_process_group() -> bool:

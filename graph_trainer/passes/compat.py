@@ -7,7 +7,8 @@ dynamic_shapes="from_tracing_context", aot=True)` in both; `_use_cuda_memory_poo
 pool, stream)` is the same context manager in both. For the compile cache: `CompiledArtifact.save(*, path,
 format)` / `CompiledArtifact.load(*, path, format)`, `torch._inductor.config.get_hash()` and
 `cpu_vec_isa.pick_vec_isa()` are the same in both. `_LazyGraphModule` (a GraphModule that writes its
-Python code when first called) and `_use_lazy_graph_module(on)` (make_fx then returns one) are in both.
+Python code when first called) and `_use_lazy_graph_module(on)` (make_fx then returns one) are in both, as is
+`torch.fx._graph_pickler` (`GraphPickler.dumps/loads`, `Options(ops_filter=...)`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ try:
     from torch._inductor import CompiledArtifact, standalone_compile
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx import _graph_pickler as graph_pickler
     from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
     from torch.fx._lazy_graph_module import _use_lazy_graph_module as lazy_graph_modules
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -74,6 +76,7 @@ __all__ = [
     "FakeTensor",
     "FakeTensorMode",
     "LazyGraphModule",
+    "graph_pickler",
     "lazy_graph_modules",
     "ShapeEnv",
     "TracingContext",

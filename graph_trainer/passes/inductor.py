@@ -8,6 +8,7 @@ there); compiling from those needs no real memory and matches the traced shapes 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from .. import compile_cache
 from ..graph_dump import is_collective
 from ..blocks import block_count
 from ..regions import REGION_KEY
+from . import compile_workers
 from .block_compile import PIECES, PiecePlan, decompose_pieces, is_subgraph, plan_pieces, stitch, views_only
 from .compat import (
     FakeTensorMode,
@@ -49,17 +51,31 @@ def inductor_decomposition(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     """Retrace the graph through Inductor's decomposition table, keeping each node's metadata (region
     marks, seq_nr, stack traces) on the ops it decomposes into; a train step whose blocks the full
     compile reuses is decomposed one distinct piece at a time (block_compile.decompose_pieces), and a
-    piece whose compile the job's cache holds is not decomposed at all (`PieceEntry`)."""
+    piece whose compile the job's cache holds is not decomposed at all (`PieceEntry`). The rank's compile
+    workers (compile_workers.py), where it has them, first compile the pieces the cache lacks into it, so
+    that none is left to decompose or compile here."""
     # A graph with subgraphs (FlexAttention's score and mask functions) is decomposed whole: their copies in
     # the pieces' decompositions have not run on a GPU (no FlexAttention backward on CPU).
     subgraphs = any(is_subgraph(gm, n) for n in gm.graph.find_nodes(op="get_attr"))
     plan = None if subgraphs else _reusable_plan(gm, ctx)
-    if plan is None:
-        return _decompose(gm, ctx)
-    cache = _cache(ctx)
-    report = ctx.report.setdefault("inductor_decomposition", {})
-    report["decomposed_pieces"] = 0
-    decomposed = decompose_pieces(plan, lambda piece: _decompose_unless_cached(piece, ctx, cache))
+    workers = compile_workers.take()
+    try:
+        if plan is None:
+            return decompose(gm, fake_inputs(gm, ctx))
+        cache = _cache(ctx)
+        report = ctx.report.setdefault("inductor_decomposition", {})
+        report["decomposed_pieces"] = 0
+        entries = _entries(plan, ctx, cache)
+        missing = [(members[0].module, entries[id(members[0].module)]) for members in plan.compiled_groups
+                   if entries and not cache.path(entries[id(members[0].module)].key).exists()]
+        if workers is None and len(missing) > 1:
+            workers = compile_workers.launch(ctx.cfg, ctx.device)
+        if workers is not None and missing:
+            _compile_in_workers(workers, missing, ctx, cache)
+        decomposed = decompose_pieces(plan, lambda piece: _decompose_unless_cached(piece, ctx, cache, entries.get(id(piece))))
+    finally:
+        if workers is not None:
+            workers.close()
     # where every compile was cached, the graph stays as traced: it is only dumped
     out = stitch(gm, plan, decomposed) if report["decomposed_pieces"] else gm
     out.meta[PIECES] = decomposed
@@ -80,7 +96,9 @@ class PieceEntry:
 
     key: str
     parts: dict
-    decomposed: bool
+    decomposed: bool = False
+    by_worker: bool = False
+    """Compiled by a compile worker of this start (a miss the worker paid, not a hit)."""
 
 
 _ENTRY = "compile_cache_entry"
@@ -91,28 +109,51 @@ def _cache(ctx: PassContext) -> compile_cache.CompileCache | None:
     return compile_cache.CompileCache(folder) if folder is not None else None
 
 
-def _decompose_unless_cached(piece: fx.GraphModule, ctx: PassContext,
-                             cache: compile_cache.CompileCache | None) -> fx.GraphModule | None:
-    """The piece decomposed (and marked with its key), or None where its entry exists (the piece is
+def _entries(plan: PiecePlan, ctx: PassContext, cache: compile_cache.CompileCache | None) -> dict[int, PieceEntry]:
+    """The cache entry of each group's first piece that computes something, by the piece's id."""
+    if cache is None:
+        return {}
+    return {id(members[0].module): PieceEntry(*compile_cache.cache_key(members[0].module, fake_inputs(members[0].module, ctx),
+                                                                     _options(ctx), ctx.device, ctx.meshes))
+            for members in plan.compiled_groups}
+
+
+def _compile_in_workers(workers: compile_workers.CompileWorkers, missing: list[tuple[fx.GraphModule, PieceEntry]],
+                        ctx: PassContext, cache: compile_cache.CompileCache) -> None:
+    """Have the workers compile the pieces whose entries the cache lacks; report how many and how long."""
+    jobs = [compile_workers.Job(entry.key, entry.parts, piece) for piece, entry in missing]
+    start = time.perf_counter()
+    outcomes = workers.compile(jobs, cache, _options(ctx))
+    failed = {key: why for key, why in outcomes.items() if why}
+    for _, entry in missing:
+        entry.by_worker = entry.key in outcomes and not outcomes[entry.key]
+    if failed:
+        logger.warning(f"compile workers: {len(failed)} of {len(jobs)} pieces failed, compiled here instead "
+                       f"(first: {next(iter(failed.values()))})")
+    ctx.report["inductor_decomposition"].update(
+        compile_workers=len(workers.procs), worker_compiled_pieces=len(jobs) - len(failed),
+        compile_workers_s=time.perf_counter() - start)
+
+
+def _decompose_unless_cached(piece: fx.GraphModule, ctx: PassContext, cache: compile_cache.CompileCache | None,
+                             entry: PieceEntry | None) -> fx.GraphModule | None:
+    """The piece decomposed (and marked with its entry), or None where its entry exists (the piece is
     marked). Counts `decomposed_pieces`, not the pieces that only take views (they run as FX, uncached)."""
-    if views_only(piece):
-        return _decompose(piece, ctx)
-    entry = None
-    if cache is not None:
-        key, parts = compile_cache.cache_key(piece, fake_inputs(piece, ctx), _options(ctx), ctx.device, ctx.meshes)
-        entry = PieceEntry(key, parts, decomposed=not cache.path(key).exists())
+    if entry is not None:
+        entry.decomposed = not cache.path(entry.key).exists()
         if not entry.decomposed:
             piece.meta[_ENTRY] = entry
             return None
-    result = _decompose(piece, ctx)
+    result = decompose(piece, fake_inputs(piece, ctx))
     if entry is not None:
         result.meta[_ENTRY] = entry
-    ctx.report["inductor_decomposition"]["decomposed_pieces"] += 1
+    if not views_only(piece):
+        ctx.report["inductor_decomposition"]["decomposed_pieces"] += 1
     return result
 
 
-def _decompose(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    inputs = fake_inputs(gm, ctx)
+def decompose(gm: fx.GraphModule, inputs: list[Any]) -> fx.GraphModule:
+    """`gm` retraced through Inductor's decomposition table on its fake `inputs`."""
     mode = detect_fake_mode(inputs)
     with mode, fx_traceback.preserve_node_meta():
         return make_fx(fx.Interpreter(gm).run, decomposition_table=select_decomp_table(), tracing_mode="real")(*inputs)
@@ -257,9 +298,19 @@ def _options(ctx: PassContext) -> dict | None:
     return {"config_patches": KEEP_TRAIN_STEP_ORDER} if ctx.stage == "train_step" else None
 
 
+def compile_graph(gm: fx.GraphModule, inputs: list[Any], options: dict | None) -> Any:
+    """Inductor's compile of `gm` (decomposed) on fake `inputs`: standalone_compile's artifact."""
+    # Under no_grad AOTAutograd inside Inductor compiles an inference graph: the backward is already in it.
+    # The fake mode comes from the inputs: "from_graph" reads it off the outputs, which fails on an
+    # AOTAutograd backward graph whose outputs include None (inputs without a gradient).
+    with torch.no_grad(), tracing(TracingContext(compile_cache.fake_mode_of(inputs) or detect_fake_mode(inputs))):
+        return standalone_compile(gm, inputs, dynamic_shapes="from_tracing_context", options=options)
+
+
 def _compile_whole(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
     """Compile `gm` with Inductor, or load its compile from the job's compile cache (compile_cache.py);
-    a piece's entry is the one its decomposition looked up (`PieceEntry`)."""
+    a piece's entry is the one its decomposition looked up (`PieceEntry`), which a compile worker may
+    have filled this start (counted as a miss and a write, as if compiled here)."""
     entry: PieceEntry | None = gm.meta.get(_ENTRY)
     inputs = fake_inputs(gm, ctx)
     kept = _drop_unused_opaque_inputs(gm)
@@ -269,34 +320,31 @@ def _compile_whole(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
         inputs = [inputs[i] for i in kept]
     options = _options(ctx)
     cache = _cache(ctx)
-    compiled, outcome = None, "off"
+    compiled, outcome, by_worker = None, "off", False
     if cache is not None:
         key, parts = (entry.key, entry.parts) if entry is not None else compile_cache.cache_key(gm, inputs, options, ctx.device, ctx.meshes)
         try:
             compiled = cache.load(key)
-            outcome = "hit" if compiled is not None else "miss"
+            by_worker = compiled is not None and entry is not None and entry.by_worker
+            outcome = "hit" if compiled is not None and not by_worker else "miss"
         except compile_cache.Refused as e:
             logger.warning(f"compile cache: entry {cache.path(key)} refused ({e}); compiling afresh")
             outcome = f"refused ({e})"
-    written = 0
+    written = int(by_worker)
     if compiled is None:
         if entry is not None and not entry.decomposed:
-            gm = _decompose(gm, ctx)
+            gm = decompose(gm, inputs)
         cacheable = compile_cache.cacheable_inputs(inputs)
         if cacheable is None and cache is not None:
             logger.warning("compile cache: the graph's inputs hold fake tensors it cannot give a cacheable fake mode; "
                            "compiling without the cache")
             outcome, cache = "refused (inputs not cacheable)", None
-        inputs = cacheable if cacheable is not None else inputs
-        # Under no_grad AOTAutograd inside Inductor compiles an inference graph: the backward is already in it.
-        # The fake mode comes from the inputs: "from_graph" reads it off the outputs, which fails on an
-        # AOTAutograd backward graph whose outputs include None (inputs without a gradient).
-        with torch.no_grad(), tracing(TracingContext(compile_cache.fake_mode_of(inputs) or detect_fake_mode(inputs))):
-            compiled = standalone_compile(gm, inputs, dynamic_shapes="from_tracing_context", options=options)
+        compiled = compile_graph(gm, cacheable if cacheable is not None else inputs, options)
         if cache is not None:
             written = int(cache.store(key, compiled, parts))
     if cache is not None:
-        logger.info(f"compile cache: {outcome}, {'stored in' if written else 'entry'} {cache.path(key)}")
+        made = "stored by a compile worker in" if by_worker else "stored in" if written else "entry"
+        logger.info(f"compile cache: {outcome}, {made} {cache.path(key)}")
     compile_cache.record(ctx.report, outcome, int(outcome == "hit"), written)
     if kept is None:
         return Compiled(compiled, gm)

@@ -1,0 +1,213 @@
+"""Compile workers: the distinct pieces of a block-reused train step (passes/block_compile.py) compiled in
+parallel processes, each stored in the job's compile cache, from where the full compile then loads them.
+
+Inductor lowers, schedules and writes the code of a graph in Python, one graph at a time; its own pool of
+processes builds only the Triton kernels of the graph in hand. The pieces do not depend on one another, so a
+cold start spent most of its compile waiting on one core: llama3 8B as one rank of dp_shard 8 (one H200,
+torch 2.11) took 23.7 s in the full compile and 3.2 s decomposing, of a 40.3 s first step; with 8 workers
+the pieces took 12.8 s, the first step 29.7 s (bench/results/2026-11-28-compile-workers).
+
+The workers are started before the step is traced (the backend's `prepare` calls `start`), so that their
+imports overlap the trace; where it was not traced (its trace was loaded) but two or more pieces still miss
+the cache, the pass starts them itself. A job is one piece as bytes (graph_pickle.py) with only its inputs'
+values (`_sendable`), its compile-cache key, taken by the pass before the decomposition
+(`inductor.PieceEntry`), the job's Inductor options and configuration, and the process groups its
+collectives name (the worker registers groups of the same ranks under the same names on the fake process
+group: Inductor resolves them while it compiles). The worker (compile_worker_process.py) decomposes the
+piece, compiles it with the pass's own functions (`inductor.decompose`, `inductor.compile_graph`) and
+stores it under that key. Jobs go out largest first, each to the next worker free. A piece a worker fails on is compiled by the pass itself,
+as it is without workers, after one warning line.
+
+`--compile.compile_workers N`: N processes per rank. -1 (auto) is one per `THREADS` cores on a GPU rank
+alone on its node (one GPU; `graph-trainer precompile`, which fills the cache of a cluster job from one
+process), else none. On 4 H200s of one node (64 cores), four ranks with 8 workers each reached their
+first step later than without (45.3 s against 41.0 s): each rank compiles every piece (a compiled piece
+pins its GPU, so ranks cannot share entries), Inductor's own Triton pools already spread that over the
+cores, and 32 workers importing torch slowed the ranks' trace beside them. On CPU none: the pass's own
+compile of a small model is quicker than starting a worker. Workers need the compile cache
+(`--compile.cache_dir`), where they leave what they compiled.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from .. import compile_cache, graph_pickle
+from ..parallel.compat import group_ranks
+from .compat import FakeTensorMode
+
+logger = logging.getLogger("graph_trainer")
+
+AUTO = -1
+REPLY = "graph-trainer compile worker: "
+"""The prefix of a worker's answer on its stdout (anything else a library prints there is skipped)."""
+
+
+THREADS = 2
+"""Processes each worker builds its Triton kernels with (`TORCHINDUCTOR_COMPILE_THREADS`, unless set). On 16 cores
+(one H200, llama3 8B): 8 workers of 2 reached the first step in 27.0 s, 4 of 4 in 27.4 s, 15 of 1 in 31.6 s (their
+imports slowed the trace beside them), none in 40.4 s (bench/scripts/compile_workers_sweep.sh)."""
+
+
+def worker_count(cfg: Any, device: torch.device) -> int:
+    """How many workers `--compile.compile_workers` asks for on this rank (0: none): auto is one per `THREADS` cores,
+    on a GPU rank alone on its node (see the module docstring)."""
+    asked = cfg.compile.compile_workers
+    if asked != AUTO:
+        return asked
+    if device.type != "cuda" or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // THREADS)
+
+
+def _sendable(piece: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `piece` whose only traced values are its inputs', as fresh tensors of their shapes, strides and dtypes
+    (as the compile gets them: `compile_cache.cacheable_inputs`). The worker's decomposition traces the rest again;
+    and on torch 2.11 a view a graph pass made (a bucket's split into parameters) does not pickle ("cannot pickle
+    'KeyedRef' object")."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(piece.graph, {}))
+    mode = FakeTensorMode()
+    for node in graph.nodes:
+        val = node.meta.pop("val", None)
+        if node.op == "placeholder":
+            with mode:
+                node.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _groups(pieces: list[fx.GraphModule]) -> dict | None:
+    """This process's world size, rank and the global ranks of each process group the pieces' collectives name."""
+    if not dist.is_initialized():
+        return None
+    names = {value for piece in pieces for node in piece.graph.nodes if isinstance(node.target, torch._ops.OpOverload)
+             for arg, value in zip(node.target._schema.arguments, (*node.args, *node.kwargs.values())) if arg.name == "group_name"}
+    return {"world": dist.get_world_size(), "rank": dist.get_rank(), "ranks": {name: group_ranks(name) for name in names}}
+
+
+@dataclass
+class Job:
+    key: str
+    parts: dict
+    piece: fx.GraphModule
+
+
+class CompileWorkers:
+    """Worker processes that compile pieces into one compile cache folder."""
+
+    def __init__(self, count: int):
+        self.folder = Path(tempfile.mkdtemp(prefix="graph_trainer_workers."))
+        env = {"TORCHINDUCTOR_COMPILE_THREADS": str(THREADS), **os.environ}
+        code = "from graph_trainer.passes.compile_worker_process import serve; serve()"
+        self.logs = [self.folder / f"worker{i}.log" for i in range(count)]
+        self.procs = []
+        for log in self.logs:
+            with open(log, "w") as err:
+                self.procs.append(subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                   stderr=err, env=env, text=True, bufsize=1))
+
+    def compile(self, jobs: list[Job], cache: compile_cache.CompileCache, options: dict | None) -> dict[str, str]:
+        """Compile `jobs` into `cache`: for each key, "" where its entry was stored, else why not."""
+        shared = {"options": options, "config": torch._inductor.config.save_config(), "folder": str(cache.folder),
+                  "groups": _groups([job.piece for job in jobs])}
+        todo: queue.Queue[tuple[Job, Path]] = queue.Queue()
+        outcomes: dict[str, str] = {}
+        for i, job in enumerate(sorted(jobs, key=lambda j: -len(j.piece.graph.nodes))):
+            path = self.folder / f"job{i}.pkl"
+            try:
+                payload = {**shared, "graph": graph_pickle.dumps(_sendable(job.piece)), "key": job.key, "parts": job.parts}
+            except Exception as e:  # noqa: BLE001  (a piece that cannot be sent is compiled by the pass)
+                outcomes[job.key] = f"cannot send the piece ({compile_cache.first_line(e)})"
+                continue
+            path.write_bytes(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+            todo.put((job, path))
+        threads = [threading.Thread(target=self._feed, args=(proc, log, todo, outcomes), daemon=True)
+                   for proc, log in zip(self.procs, self.logs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return outcomes
+
+    @staticmethod
+    def _feed(proc: subprocess.Popen, log: Path, todo: queue.Queue, outcomes: dict[str, str]) -> None:
+        """Hand `proc` jobs until none is left or it dies; record each job's outcome."""
+        while True:
+            try:
+                job, path = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                proc.stdin.write(f"{path}\n")
+                proc.stdin.flush()
+                line = ""
+                while line is not None and not line.startswith(REPLY):
+                    line = proc.stdout.readline() or None
+            except OSError:
+                line = None
+            if line is None:
+                text = log.read_text().strip().splitlines() if log.exists() else []
+                outcomes[job.key] = f"the worker exited ({text[-1] if text else f'code {proc.poll()}'})"
+                return
+            reply = json.loads(line[len(REPLY):])
+            outcomes[job.key] = reply["error"]
+            logger.info(f"compile workers: piece of {len(job.piece.graph.nodes):,} nodes in {reply['seconds']:.1f} s")
+
+    def close(self) -> None:
+        """Stop the workers: idle (every job answered, each entry renamed into place whole) or still importing."""
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                try:
+                    pipe.close()
+                except OSError:  # a line written to a worker that died is not flushed anywhere
+                    pass
+        for path in self.folder.iterdir():
+            path.unlink()
+        self.folder.rmdir()
+
+
+def launch(cfg: Any, device: torch.device) -> CompileWorkers | None:
+    """This rank's workers, or None where none are asked for or the compile cache, where they leave their compiles,
+    is off."""
+    count = worker_count(cfg, device)
+    return CompileWorkers(count) if count and compile_cache.cache_folder(cfg) is not None else None
+
+
+_started: CompileWorkers | None = None
+
+
+def start(pass_names: list[str], cfg: Any, device: torch.device) -> None:
+    """Start this rank's workers now, ahead of the compile that will take them, where the step is compiled by pieces."""
+    global _started
+    if _started is None and "full_inductor_compilation" in pass_names and cfg.compile.block_reuse:
+        _started = launch(cfg, device)
+        if _started is not None:
+            atexit.register(_started.close)
+
+
+def take() -> CompileWorkers | None:
+    """The workers `start` started (the caller closes them), or None."""
+    global _started
+    workers, _started = _started, None
+    if workers is not None:
+        atexit.unregister(workers.close)
+    return workers
