@@ -89,22 +89,23 @@ class BlockStart:
     """The phase's first compute op."""
 
 
-def block_starts(gm: fx.GraphModule) -> list[BlockStart]:
+def block_starts(gm: fx.GraphModule, phase: Phase | None = None) -> list[BlockStart]:
     """Where each block's forward and each block's backward begins, in graph order: the first marked
     op of the block, other than communication, before the loss (forward) and after it (backward).
-    Empty when the graph has no marked blocks."""
-    loss = loss_node(gm)
-    forward = ancestors(loss)
+    A graph of one phase (aot's forward or backward graph, a pipeline stage's) gives that `phase`: its
+    first output is no loss, and its ops are all of the phase. Empty when the graph has no marked blocks."""
     comm = communication_nodes(gm)
+    loss = loss_node(gm) if phase is None else None
+    forward = ancestors(loss) if loss is not None else set()
     starts: dict[tuple[Phase, int], fx.Node] = {}
-    phase: Phase = "forward"
+    current: Phase = phase or "forward"
     for node in gm.graph.nodes:
         block = node_block(node)
         if block is not None and node.op == "call_function" and node not in comm:
-            if phase == "forward" and node in forward or phase == "backward":
-                starts.setdefault((phase, block), node)
+            if phase is not None or current == "forward" and node in forward or current == "backward":
+                starts.setdefault((current, block), node)
         if node is loss:
-            phase = "backward"
+            current = "backward"
     return [BlockStart(phase, block, node) for (phase, block), node in starts.items()]
 
 

@@ -170,9 +170,9 @@ class Compile:
     differ, the rank), so a restart does not trace. auto = <job.dump_folder>/compile_cache; off (or empty) compiles and traces every time.
     `graph-trainer precompile` fills it."""
     block_reuse: bool = True
-    """Full Inductor on the aot_fx_trace step: cut it at every block, communication run and in-graph parameter update,
-    and compile each distinct piece once, when the distinct pieces hold at most half the step's ops (false: compile
-    the whole step as one graph)."""
+    """Full Inductor: cut the aot_fx_trace step (or aot's and pipeline stages' forward and backward graphs) at every
+    block, communication run and in-graph parameter update, and compile each distinct piece once, when the distinct
+    pieces hold at most half a graph's ops (false: compile each graph whole)."""
     compile_workers: int = -1
     """Processes per rank that compile the distinct pieces of a block-reused step in parallel, into the compile cache
     (needs it on), started while the step is traced. -1 = auto: one per 2 CPU cores on a GPU rank alone on its node

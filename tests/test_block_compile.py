@@ -9,17 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import fx, nn
+from torch._functorch.aot_autograd import aot_function
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.fx import traceback as fx_traceback
 
 from helpers import cached_run, grad_norms, losses, read_metrics
 from test_bucketing import fake_pg, trace_llama  # noqa: F401  (fake_pg is a fixture)
-from test_inductor_passes import SMALL, Block, toy_train_step
+from test_inductor_passes import DIM, SMALL, Block, toy_train_step
 
 from graph_trainer.blocks import annotate_blocks, block_starts, node_block
 from graph_trainer.graph_dump import is_collective
 from graph_trainer.passes import inductor
 from graph_trainer.passes.block_compile import plan_pieces
 from graph_trainer.passes.bucketing_compat import ALL_GATHER, WAIT
-from graph_trainer.passes.registry import Compiled, apply_passes
+from graph_trainer.passes.registry import Compiled, PassContext, apply_passes
 
 
 class Deep(nn.Module):
@@ -159,6 +162,50 @@ def test_a_graph_with_subgraphs_is_decomposed_whole(monkeypatch):
     monkeypatch.setattr(inductor, "decompose", lambda graph, inputs: calls.append(graph) or decompose(graph, inputs))
     inductor.inductor_decomposition(gm, ctx)
     assert calls == [gm]
+
+
+def _aot_graphs(n_layers: int) -> dict[str, tuple[fx.GraphModule, list[torch.Tensor]]]:
+    """Deep(n_layers)'s forward and backward graphs as AOTAutograd's min-cut partitioner leaves them (aot mode's, a
+    pipeline stage's), each with the inputs it was called with."""
+    torch.manual_seed(0)
+    model = annotate_blocks(Deep(n_layers))
+    graphs: dict[str, tuple[fx.GraphModule, list[torch.Tensor]]] = {}
+
+    def compiler(stage: str):
+        def compile(gm: fx.GraphModule, example_inputs):
+            def run(args):
+                graphs[stage] = (gm, list(args))
+                return gm(*args)
+            run._boxed_call = True
+            return run
+        return compile
+
+    names = [n for n, _ in model.named_parameters()]
+    step = aot_function(lambda *args: torch.func.functional_call(model, dict(zip(names, args[:-1])), (args[-1],)),
+                        fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                        partition_fn=min_cut_rematerialization_partition)
+    params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    with fx_traceback.preserve_node_meta():
+        step(*params, torch.randn(4, DIM)).sum().backward()
+    return graphs
+
+
+@pytest.mark.parametrize("stage", ["forward", "backward"])
+def test_forward_and_backward_graphs_reuse_their_blocks_and_compute_bit_for_bit_the_same(stage, monkeypatch):
+    """A graph of one phase has no loss to tell forward from backward: each block starts once, and its pieces
+    repeat as in the train step's (8 blocks: 4 distinct pieces of 9)."""
+    gm, real = _aot_graphs(8)[stage]
+    ctx = PassContext(cfg=None, meshes=None, device=torch.device("cpu"), stage=stage)
+    whole = inductor.decompose(gm, inductor.fake_inputs(gm, ctx))
+    compiled = counting_fx_compile(monkeypatch)
+    runner = inductor.full_inductor_compilation(inductor.inductor_decomposition(gm, ctx), ctx)
+    report = ctx.report["full_inductor_compilation"]
+    assert len(compiled) == report["compiled_blocks"] < report["block_pieces"]
+    assert report["layers"] == (8 if stage == "forward" else 0)
+    with torch.no_grad():
+        expected, got = whole(*real), runner(*real)
+    # the backward's gradient of the batch, which needs none, is None in both
+    assert len(expected) == len(got) and all(a is b is None or torch.equal(a, b) for a, b in zip(expected, got))
 
 
 @pytest.mark.slow

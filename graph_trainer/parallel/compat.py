@@ -5,7 +5,8 @@ collective shapes are those of that rank, but collectives move no data, so what 
 uninitialised memory. `graph-trainer train --comm.mode fake`, `graph-trainer plan` and fake-mesh
 traces all build on it.
 
-Also the names process groups are registered under (`group_ranks`, `fake_groups_named`), the private Tensor attribute eager resharding (simple_fsdp.reshard_after_forward) finds views with,
+Also the names process groups are registered under (`group_ranks`, `fake_groups_named`), the private Tensor
+attribute eager resharding (simple_fsdp.reshard_after_forward) finds views with,
 and the functional collectives eager SimpleFSDP gathers with (renamed in torch 2.13), and whether
 autograd's engine is running a backward pass.
 """

@@ -2,7 +2,8 @@
 once and called for every block it stands for.
 
 The train-step graph, after every graph pass (so the collectives' schedule is final), is cut by
-position where each block's forward and each block's backward begins (`blocks.block_starts`), and
+position where each block's forward and each block's backward begins (`blocks.block_starts`; in a
+forward or backward graph that AOTAutograd partitioned, where each block begins in it), and
 around each run of communication (collectives, their waits, the bucket copies made from the
 parameters and the splits of a gathered bucket). Nothing moves: the pieces run in graph order, so
 every collective is issued and waited where the scheduling passes put it. A collective issued in one
@@ -41,7 +42,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from ..blocks import BlockStart, block_starts, communication_nodes, update_starts
+from ..blocks import BlockStart, Phase, block_starts, communication_nodes, update_starts
 from ..graph_dump import is_collective
 from .bucketing_compat import WAIT
 from .compat import LazyGraphModule
@@ -201,7 +202,10 @@ def split(gm: fx.GraphModule, starts: list[BlockStart]) -> tuple[list[Piece], li
         last_read[a] = len(nodes)
     held = _held_to_wait(nodes, piece_of)
     needed_later = {n for n, k in (*last_read.items(), *held.items()) if n in piece_of and k > piece_of[n]}
-    read_across = needed_later | {n for n in last_read if n.op == "placeholder" or _is_constant(gm, n)}
+    # an input read only by the output (aot's forward graph hands the backward the device mesh of a DTensor
+    # parameter, an opaque object on torch 2.13) reaches no piece, and need not be a tensor
+    read_by_pieces = {a for piece in nodes for n in piece for a in n.all_input_nodes}
+    read_across = needed_later | {n for n in read_by_pieces if n.op == "placeholder" or _is_constant(gm, n)}
     if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in read_across):
         return None
     pieces = []
@@ -313,9 +317,10 @@ class PiecePlan:
         return PieceRunner([(p, calls[id(p)]) for p in self.pieces], self.constants, self.result, self.slots)
 
 
-def plan_pieces(gm: fx.GraphModule) -> PiecePlan | None:
-    """The pieces of `gm` grouped by structure; None when it has no marked blocks or cannot be cut."""
-    starts = block_starts(gm)
+def plan_pieces(gm: fx.GraphModule, phase: Phase | None = None) -> PiecePlan | None:
+    """The pieces of `gm` (of one `phase` only: aot's forward or backward graph, see `blocks.block_starts`)
+    grouped by structure; None when it has no marked blocks or cannot be cut."""
+    starts = block_starts(gm, phase)
     found = split(gm, starts) if starts else None
     if found is None:
         return None

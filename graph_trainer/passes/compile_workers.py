@@ -15,8 +15,8 @@ values (`_sendable`), its compile-cache key, taken by the pass before the decomp
 collectives name (the worker registers groups of the same ranks under the same names on the fake process
 group: Inductor resolves them while it compiles). The worker (compile_worker_process.py) decomposes the
 piece, compiles it with the pass's own functions (`inductor.decompose`, `inductor.compile_graph`) and
-stores it under that key. Jobs go out largest first, each to the next worker free. A piece a worker fails on is compiled by the pass itself,
-as it is without workers, after one warning line.
+stores it under that key. Jobs go out largest first, each to the next worker free. A piece a worker fails
+on is compiled by the pass itself, as it is without workers, after one warning line.
 
 `--compile.compile_workers N`: N processes per rank. -1 (auto) is one per `THREADS` cores on a GPU rank
 alone on its node (one GPU; `graph-trainer precompile`, which fills the cache of a cluster job from one
@@ -93,12 +93,19 @@ def _sendable(piece: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
+def _group_name(node: fx.Node) -> str | None:
+    """The `group_name` argument of a collective's node (None for any other node)."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    named = {arg.name: value for arg, value in zip(node.target._schema.arguments, node.args)}
+    return {**named, **node.kwargs}.get("group_name")
+
+
 def _groups(pieces: list[fx.GraphModule]) -> dict | None:
     """This process's world size, rank and the global ranks of each process group the pieces' collectives name."""
     if not dist.is_initialized():
         return None
-    names = {value for piece in pieces for node in piece.graph.nodes if isinstance(node.target, torch._ops.OpOverload)
-             for arg, value in zip(node.target._schema.arguments, (*node.args, *node.kwargs.values())) if arg.name == "group_name"}
+    names = {_group_name(node) for piece in pieces for node in piece.graph.nodes} - {None}
     return {"world": dist.get_world_size(), "rank": dist.get_rank(), "ranks": {name: group_ranks(name) for name in names}}
 
 

@@ -64,10 +64,10 @@ def inductor_decomposition(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
             return decompose(gm, fake_inputs(gm, ctx))
         cache = _cache(ctx)
         report = ctx.report.setdefault("inductor_decomposition", {})
-        report["decomposed_pieces"] = 0
+        before = report.setdefault("decomposed_pieces", 0)
         entries = _entries(plan, ctx, cache)
-        missing = [(members[0].module, entries[id(members[0].module)]) for members in plan.compiled_groups
-                   if entries and not cache.path(entries[id(members[0].module)].key).exists()]
+        firsts = {id(members[0].module): members[0].module for members in plan.compiled_groups}
+        missing = [(firsts[i], entry) for i, entry in entries.items() if not cache.path(entry.key).exists()]
         if workers is None and len(missing) > 1:
             workers = compile_workers.launch(ctx.cfg, ctx.device)
         if workers is not None and missing:
@@ -77,7 +77,7 @@ def inductor_decomposition(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         if workers is not None:
             workers.close()
     # where every compile was cached, the graph stays as traced: it is only dumped
-    out = stitch(gm, plan, decomposed) if report["decomposed_pieces"] else gm
+    out = stitch(gm, plan, decomposed) if report["decomposed_pieces"] > before else gm
     out.meta[PIECES] = decomposed
     return out
 
@@ -130,9 +130,10 @@ def _compile_in_workers(workers: compile_workers.CompileWorkers, missing: list[t
     if failed:
         logger.warning(f"compile workers: {len(failed)} of {len(jobs)} pieces failed, compiled here instead "
                        f"(first: {next(iter(failed.values()))})")
-    ctx.report["inductor_decomposition"].update(
-        compile_workers=len(workers.procs), worker_compiled_pieces=len(jobs) - len(failed),
-        compile_workers_s=time.perf_counter() - start)
+    report = ctx.report["inductor_decomposition"]
+    report["compile_workers"] = len(workers.procs)
+    report["worker_compiled_pieces"] = report.get("worker_compiled_pieces", 0) + len(jobs) - len(failed)
+    report["compile_workers_s"] = report.get("compile_workers_s", 0.0) + time.perf_counter() - start
 
 
 def _decompose_unless_cached(piece: fx.GraphModule, ctx: PassContext, cache: compile_cache.CompileCache | None,
@@ -238,24 +239,26 @@ def full_inductor_compilation(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
     token ids runs before it as FX (`split_mask_prologue`)."""
     split = split_mask_prologue(gm)
     if split is None:
-        return _compile_train_step(gm, ctx)
+        return _compile_by_pieces(gm, ctx)
     prologue, main = split
-    compiled = _compile_train_step(main, ctx)
+    compiled = _compile_by_pieces(main, ctx)
     return Compiled(lambda *args: compiled(*args, *prologue(*args)), main)
 
 
-def _compile_train_step(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
-    """A train-step graph with more transformer blocks than distinct pieces (passes/block_compile.py)
-    compiles each distinct piece once, unless `--compile.block_reuse false`; any other graph whole.
-    Reports `compiled_blocks` (graphs Inductor compiled), `block_pieces` (graphs a step runs) and `layers`."""
-    if ctx.stage != "train_step":
-        return _compile_whole(gm, ctx)
-    report = ctx.report.setdefault("full_inductor_compilation", {})
-    report.update(compiled_blocks=1, block_pieces=1, layers=block_count(gm))
+def _compile_by_pieces(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
+    """A graph with more transformer blocks than distinct pieces (passes/block_compile.py: the whole
+    step, aot's forward and backward graphs, a pipeline stage's) compiles each distinct piece once,
+    unless `--compile.block_reuse false`; any other graph whole. Adds to the report, over the graphs of
+    a capture: `compiled_blocks` (graphs Inductor compiled), `block_pieces` (graphs a step runs) and
+    `layers` (the blocks of the step or of the forward graphs)."""
     plan = gm.meta.get(PIECES) or _reusable_plan(gm, ctx)
+    compiled, pieces = (1, 1) if plan is None else (len(plan.compiled_groups), len(plan.pieces))
+    report = ctx.report.setdefault("full_inductor_compilation", {})
+    report["compiled_blocks"] = report.get("compiled_blocks", 0) + compiled
+    report["block_pieces"] = report.get("block_pieces", 0) + pieces
+    report["layers"] = report.get("layers", 0) + (block_count(gm) if ctx.stage != "backward" else 0)
     if plan is None:
         return _compile_whole(gm, ctx)
-    report.update(compiled_blocks=len(plan.compiled_groups), block_pieces=len(plan.pieces))
     return Compiled(plan.compile(ctx, _compile_whole), gm)
 
 
@@ -264,15 +267,15 @@ def _ops(gm: fx.GraphModule) -> int:
 
 
 def _reusable_plan(gm: fx.GraphModule, ctx: PassContext) -> PiecePlan | None:
-    """The pieces of a train step whose blocks are compiled once each (`--compile.block_reuse` on);
-    None where the graph is compiled whole. Inductor's time grows with the ops it lowers, plus a cost
+    """The pieces of a graph whose blocks are compiled once each (`--compile.block_reuse` on); None
+    where the graph is compiled whole. Inductor's time grows with the ops it lowers, plus a cost
     per graph: the pieces are compiled where the distinct ones hold at most half the step's ops. (On
     CPU, llama3 debugmodel at 12 layers, dp_shard 2: 10 distinct pieces holding most of the ops
     compiled in 140 s, the whole step in 83 s, 22 distinct pieces, most of them communication, in
     72 s.)"""
-    if ctx.stage != "train_step" or not (ctx.cfg is None or ctx.cfg.compile.block_reuse):
+    if ctx.stage == "joint" or not (ctx.cfg is None or ctx.cfg.compile.block_reuse):
         return None
-    plan = plan_pieces(gm)
+    plan = plan_pieces(gm, None if ctx.stage == "train_step" else ctx.stage)
     if plan is None:
         return None
     return plan if 2 * sum(_ops(members[0].module) for members in plan.groups) <= _ops(gm) else None
