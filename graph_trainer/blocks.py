@@ -106,7 +106,7 @@ def block_starts(gm: fx.GraphModule, phase: Phase | None = None) -> list[BlockSt
                 starts.setdefault((current, block), node)
         if node is loss:
             current = "backward"
-    return [BlockStart(phase, block, node) for (phase, block), node in starts.items()]
+    return [BlockStart(which, block, node) for (which, block), node in starts.items()]
 
 
 def update_starts(gm: fx.GraphModule) -> list[fx.Node]:

@@ -74,12 +74,16 @@ def test_a_piece_a_worker_cannot_compile_and_a_dead_worker_are_reported_not_rais
 
 
 class _Failing:
-    """Workers whose every job fails, as a worker that crashes on each piece would."""
+    """Workers whose every job fails (`why`), as a worker that crashes on each piece would; with no `why`, none is
+    answered, as when every worker died before taking one."""
 
     procs = [None, None]
 
+    def __init__(self, why: str):
+        self.why = why
+
     def compile(self, jobs, cache, options):
-        return {job.key: "the worker exited (code -9)" for job in jobs}
+        return {job.key: self.why for job in jobs} if self.why else {}
 
     def close(self):
         self.closed = True
@@ -89,14 +93,15 @@ def _decompose_and_compile(ctx, gm):
     return inductor.full_inductor_compilation(inductor.inductor_decomposition(gm, ctx), ctx)
 
 
-def test_pieces_the_workers_fail_on_are_decomposed_and_compiled_by_the_pass(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("why, first", [("the worker exited (code -9)", "the worker exited (code -9)"), ("", "no worker left")])
+def test_pieces_the_workers_fail_on_are_decomposed_and_compiled_by_the_pass(why, first, tmp_path, monkeypatch, caplog):
     compiled = counting_fx_compile(monkeypatch)
     gm, ctx, real = deep_step(8)
     ctx.cfg = parse_args(["--compile.cache_dir", str(tmp_path / "alone")])
     alone = _decompose_and_compile(ctx, gm)
     groups = len(compiled)
     compiled.clear()
-    failing = _Failing()
+    failing = _Failing(why)
     monkeypatch.setattr(compile_workers, "take", lambda: failing)
     gm, ctx, _ = deep_step(8)
     ctx.cfg = parse_args(["--compile.cache_dir", str(tmp_path / "workers")])
@@ -106,5 +111,5 @@ def test_pieces_the_workers_fail_on_are_decomposed_and_compiled_by_the_pass(tmp_
     assert (report["worker_compiled_pieces"], report["decomposed_pieces"], len(compiled)) == (0, groups, groups) and groups > 1
     assert failing.closed
     assert [r.getMessage() for r in caplog.records] == [
-        f"compile workers: {groups} of {groups} pieces failed, compiled here instead (first: the worker exited (code -9))"]
+        f"compile workers: {groups} of {groups} pieces failed, compiled here instead (first: {first})"]
     assert all(torch.equal(a, b) for a, b in zip(alone(*real), runner(*real)))

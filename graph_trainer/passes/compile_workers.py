@@ -25,7 +25,8 @@ first step later than without (45.3 s against 41.0 s): each rank compiles every 
 pins its GPU, so ranks cannot share entries), Inductor's own Triton pools already spread that over the
 cores, and 32 workers importing torch slowed the ranks' trace beside them. On CPU none: the pass's own
 compile of a small model is quicker than starting a worker. Workers need the compile cache
-(`--compile.cache_dir`), where they leave what they compiled.
+(`--compile.cache_dir`), where they leave what they compiled. Each opens a CUDA context on the rank's GPU
+(Inductor reads the device's properties), closed with the worker before the first step.
 """
 
 from __future__ import annotations
@@ -196,7 +197,13 @@ def launch(cfg: Any, device: torch.device) -> CompileWorkers | None:
     """This rank's workers, or None where none are asked for or the compile cache, where they leave their compiles,
     is off."""
     count = worker_count(cfg, device)
-    return CompileWorkers(count) if count and compile_cache.cache_folder(cfg) is not None else None
+    if not count or compile_cache.cache_folder(cfg) is None:
+        return None
+    try:
+        return CompileWorkers(count)
+    except OSError as e:
+        logger.warning(f"compile workers: cannot start {count} ({compile_cache.first_line(e)}); the rank compiles every piece itself")
+        return None
 
 
 _started: CompileWorkers | None = None

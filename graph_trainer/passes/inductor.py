@@ -124,15 +124,16 @@ def _compile_in_workers(workers: compile_workers.CompileWorkers, missing: list[t
     jobs = [compile_workers.Job(entry.key, entry.parts, piece) for piece, entry in missing]
     start = time.perf_counter()
     outcomes = workers.compile(jobs, cache, _options(ctx))
-    failed = {key: why for key, why in outcomes.items() if why}
+    # a piece without an outcome was never taken: every worker had died
     for _, entry in missing:
-        entry.by_worker = entry.key in outcomes and not outcomes[entry.key]
-    if failed:
-        logger.warning(f"compile workers: {len(failed)} of {len(jobs)} pieces failed, compiled here instead "
-                       f"(first: {next(iter(failed.values()))})")
+        entry.by_worker = outcomes.get(entry.key) == ""
+    done = sum(entry.by_worker for _, entry in missing)
+    if done < len(jobs):
+        why = next((why for why in outcomes.values() if why), "no worker left")
+        logger.warning(f"compile workers: {len(jobs) - done} of {len(jobs)} pieces failed, compiled here instead (first: {why})")
     report = ctx.report["inductor_decomposition"]
     report["compile_workers"] = len(workers.procs)
-    report["worker_compiled_pieces"] = report.get("worker_compiled_pieces", 0) + len(jobs) - len(failed)
+    report["worker_compiled_pieces"] = report.get("worker_compiled_pieces", 0) + done
     report["compile_workers_s"] = report.get("compile_workers_s", 0.0) + time.perf_counter() - start
 
 
