@@ -133,8 +133,12 @@ class CompileWorkers:
 
     def compile(self, jobs: list[Job], cache: compile_cache.CompileCache, options: dict | None) -> dict[str, str]:
         """Compile `jobs` into `cache`: for each key, "" where its entry was stored, else why not."""
+        try:
+            groups = _groups([job.piece for job in jobs])
+        except Exception as e:  # noqa: BLE001  (workers that cannot name the groups leave every piece to the pass)
+            return {job.key: f"cannot name the process groups ({compile_cache.first_line(e)})" for job in jobs}
         shared = {"options": options, "config": torch._inductor.config.save_config(), "folder": str(cache.folder),
-                  "groups": _groups([job.piece for job in jobs])}
+                  "groups": groups}
         todo: queue.Queue[tuple[Job, Path]] = queue.Queue()
         outcomes: dict[str, str] = {}
         for i, job in enumerate(sorted(jobs, key=lambda j: -len(j.piece.graph.nodes))):
