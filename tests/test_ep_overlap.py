@@ -1,8 +1,8 @@
 """ep_overlap: each MoE layer's tokens in two chunks whose all-to-alls run while the other chunk computes.
 
 Graph tests trace DeepSeek V3's and Qwen3's MoE debug models at dp_shard 2 x ep 2 in this process on a
-fake process group. Runs on gloo: 2 ranks (dp_shard 2 x ep 2) and 4 ranks (with TP and
-async_tp too, in test_async_tp.py) train bitwise like the runs without the pass.
+fake process group. Runs on gloo: 2 ranks (dp_shard 2 x ep 2) train like the runs without the pass
+within a relative 1e-6, 4 ranks (with TP and async_tp too, in test_async_tp.py) bitwise.
 """
 
 from __future__ import annotations
@@ -99,14 +99,17 @@ RUN = ("--model.name", "deepseek_v3", "--model.n_layers", "3", "--training.batch
 
 
 @pytest.mark.slow
-def test_two_ranks_train_bitwise_like_unsplit():
+def test_two_ranks_train_like_unsplit():
     # Each token is routed, dispatched and combined as without the split (no capacity: nothing dropped).
     # The reduction order is not quite unchanged: a weight gradient is now the sum of two chunks' sums
-    # over tokens. On these shapes (fp32, CPU) that sum rounds to the same values, measured and asserted;
-    # other kernels may differ in the last bit (docs/modes-and-backends.md).
+    # over tokens. Whether that rounds like one sum depends on the CPU's kernels: bit for bit with
+    # ATEN_CPU_CAPABILITY=avx2, one ulp off (6e-8 relative) on the second loss with AVX-512; the bound
+    # is a relative 1e-6 (docs/modes-and-backends.md). The forward is the same per token: step 1 is equal.
     ref = read_metrics(cached_run((*RUN, "--compile.passes", "none"), 2))
     got = read_metrics(cached_run((*RUN, "--compile.passes", "ep_overlap"), 2))
-    assert losses(got) == losses(ref) and grad_norms(got) == grad_norms(ref)
+    assert losses(got)[0] == losses(ref)[0]
+    for a, b in ((losses(got), losses(ref)), (grad_norms(got), grad_norms(ref))):
+        assert len(a) == len(b) == 3 and all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(a, b)), (a, b)
     assert [r["dropped_tokens"] for r in got] == [r["dropped_tokens"] for r in ref] == [0, 0, 0]
     assert got[0]["moe_chunks"] == 2 and got[0]["all_to_alls_on_twin"] == MOE_LAYERS * 2 * PER_CHUNK
 

@@ -4,7 +4,10 @@ and output in the token batch's layout, so a stage hands its neighbour what the 
 
 Parity: the stages run the same ops on the same layouts as the auto-placed pp 1 run with the schedule's
 microbatches as gradient-accumulation steps (the schedule feeds them in that order), so losses and gradient
-norms are equal bit for bit. The DeepSeek case is eager: the MoE path at a stage boundary, one plan per stage."""
+norms are equal bit for bit. The DeepSeek case is eager: the MoE path at a stage boundary, one plan per stage.
+Its stages' plans place every parameter as pp 1's does, but the solver may pick other activation layouts of the
+same price for a stage than for the whole model (8 of 230 nodes on one CPU: a shard where pp 1 keeps a partial
+sum), so some sums run in another order: losses and gradient norms within a relative 1e-6 (measured 7e-8)."""
 
 from __future__ import annotations
 
@@ -29,6 +32,12 @@ def _same(records: list[dict], reference: list[dict]) -> None:
     assert grad_norms(records) == grad_norms(reference)
 
 
+def _close(records: list[dict], reference: list[dict], rel: float = 1e-6) -> None:
+    assert len(records) == len(reference) == 3
+    for got, want in ((losses(records), losses(reference)), (grad_norms(records), grad_norms(reference))):
+        assert all(abs(g - w) <= rel * abs(w) for g, w in zip(got, want)), (got, want)
+
+
 def _collectives(graph: Path) -> int:
     text = graph.read_text()
     return sum(text.count(op) for op in ("all_gather_into_tensor.default(", "reduce_scatter_tensor.default(", "all_reduce.default("))
@@ -50,12 +59,16 @@ def test_auto_placed_stages_by_tp2_equal_pp1_bitwise():
 
 
 @pytest.mark.slow
-def test_auto_placed_moe_stages_by_ep2_equal_pp1_bitwise():
+def test_auto_placed_moe_stages_by_ep2_train_like_pp1():
     """DeepSeek V3, the first stage only its dense first block: each stage's plan pins expert parallelism over dp_shard."""
     common = ("--config", "configs/deepseek_v3_debug.toml", *SHAPE, *STEPS, "--parallelism.dp_shard", "2", "--parallelism.ep", "2",
               "--compile.mode", "eager")
-    reference = cached_train((*common, "--training.gradient_accumulation_steps", "2"), nproc=2)
-    _same(cached_train((*common, "--parallelism.pp", "2", "--parallelism.pp_layers_per_stage", "1,3"), nproc=4), reference)
+    reference = cached_run((*common, "--training.gradient_accumulation_steps", "2"), nproc=2)
+    staged = cached_run((*common, "--parallelism.pp", "2", "--parallelism.pp_layers_per_stage", "1,3"), nproc=4)
+    _close(read_metrics(staged), read_metrics(reference))
+    stage_params = [p for stage in json.loads((staged / "plan.json").read_text())["stages"] for p in stage["params"].items()]
+    whole = json.loads((reference / "plan.json").read_text())["params"]
+    assert len(stage_params) == len(whole) and all(whole[name] == placement for name, placement in stage_params)
 
 
 INTERLEAVED = ("--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B")
