@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from graph_trainer.compare import torchrun
@@ -26,13 +31,68 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def launch(args: list[str], nproc: int = 1, timeout: int = TIMEOUT_S, env: dict[str, str] | None = None,
            script: str | None = None) -> subprocess.CompletedProcess:
-    """`graph-trainer <args>` (or `python <script> <args>`) on one process, or under torchrun with `nproc` ranks."""
+    """`graph-trainer <args>` (or `python <script> <args>`) on one process, or under torchrun with `nproc` ranks.
+    A run of the CLI in the tests' own environment is forked by this worker's launcher (zygote.py), which has
+    imported graph_trainer already; any other starts afresh."""
     program = [script] if script else ["-m", "graph_trainer"]
     if nproc == 1:
         cmd = [sys.executable, *program, *args]
     else:
         cmd = [*torchrun(nproc), *program, *args]
-    return subprocess.run(cmd, cwd=REPO, env=env or child_env(), capture_output=True, text=True, timeout=timeout)
+    run_env = env or child_env()
+    socket_path = _zygote(run_env) if script is None else None
+    if socket_path is not None:
+        return _launch_in_zygote(socket_path, cmd, args, nproc, run_env, timeout)
+    return subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=timeout)
+
+
+_ZYGOTE: list[tuple[subprocess.Popen, str | None, dict[str, str]]] = []
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _zygote(env: dict[str, str]) -> str | None:
+    """The socket of this test process's launcher, started on first use in `env`; None where a run must start
+    afresh: another environment than the launcher imported torch in, or no launcher (it failed to start)."""
+    with _ZYGOTE_LOCK:
+        if not _ZYGOTE:
+            path = os.path.join(tempfile.mkdtemp(prefix="gt-zygote-"), "socket")
+            proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "zygote.py"), path], cwd=REPO, env=env,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert proc.stdout is not None
+            ready = proc.stdout.readline().strip() == "ready"
+            _ZYGOTE.append((proc, path if ready else None, env))
+        proc, path, started_in = _ZYGOTE[0]
+    same = _imported_with(started_in) == _imported_with(env)
+    return path if path is not None and same and proc.poll() is None else None
+
+
+def _imported_with(env: dict[str, str]) -> dict[str, str]:
+    """What of an environment the launcher's imports could have read: all but pytest's name of the running test."""
+    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+def _launch_in_zygote(path: str, cmd: list[str], args: list[str], nproc: int, env: dict[str, str],
+                      timeout: int) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryDirectory(prefix="gt-run-") as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        out.touch()
+        err.touch()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout)
+            conn.connect(path)
+            request = {"argv": args, "nproc": nproc, "cwd": str(REPO), "env": env, "stdout": str(out), "stderr": str(err)}
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            reply = conn.makefile()
+            manager = int(reply.readline())
+            try:
+                line = reply.readline()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(manager, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(errors="replace"), err.read_text(errors="replace")) from None
+        # no answer: the run's manager itself died
+        code = int(line) if line.strip() else -signal.SIGKILL
+        return subprocess.CompletedProcess(cmd, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
 
 
 def run_train(args: list[str], dump_folder: Path, nproc: int = 1, timeout: int = TIMEOUT_S) -> list[dict]:
