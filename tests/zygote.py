@@ -12,8 +12,8 @@ MASTER_PORT), the rendezvous store hosted by the launcher as torchrun's agent ho
 several failed). A run whose environment differs from the launcher's (a test's own variables, read when torch is
 imported too) or that runs a script of its own is started as a fresh process by `helpers.launch`, as before.
 
-Protocol, one connection per run on a Unix socket: the client sends one JSON line (argv, nproc, cwd, stdout and
-stderr file paths); the launcher forks a manager for the run, which answers with its process id (its process group:
+Protocol, one connection per run on a Unix socket: the client sends one JSON line (argv, nproc, environment, cwd,
+stdout and stderr file paths); the launcher forks a manager for the run, which answers with its process id (its process group:
 the client kills it on a timeout) and, when every rank has ended, the exit code.
 """
 
@@ -72,16 +72,6 @@ def _signal(pids: list[int], ended: dict[int, int], signum: int) -> None:
                 os.kill(pid, signum)
 
 
-def _stop(pids: list[int], ended: dict[int, int]) -> None:
-    _signal(pids, ended, signal.SIGTERM)
-    deadline = threading.Timer(STOP_GRACE_S, _signal, (pids, ended, signal.SIGKILL))
-    deadline.start()
-    while len(ended) < len(pids):
-        pid, status = os.wait()
-        ended[pid] = os.waitstatus_to_exitcode(status)
-    deadline.cancel()
-
-
 def _manage(conn: socket.socket, request: dict) -> int:
     """One run: fork its ranks, host their store, wait for them; returns the run's exit code."""
     os.setsid()
@@ -107,11 +97,16 @@ def _manage(conn: socket.socket, request: dict) -> int:
         os.write(writer, "".join(f"{store.port}\n".ljust(16) for _ in range(nproc)).encode())
     os.close(writer)
     ended: dict[int, int] = {}
+    deadline = None
     while len(ended) < nproc:
         pid, status = os.wait()
         ended[pid] = os.waitstatus_to_exitcode(status)
-        if ended[pid] != 0:
-            _stop(pids, ended)
+        if ended[pid] != 0 and deadline is None:
+            _signal(pids, ended, signal.SIGTERM)
+            deadline = threading.Timer(STOP_GRACE_S, _signal, (pids, ended, signal.SIGKILL))
+            deadline.start()
+    if deadline is not None:
+        deadline.cancel()
     codes = [ended[p] for p in pids]
     if nproc == 1:
         return codes[0]
