@@ -55,13 +55,26 @@ def _interval(e: dict) -> tuple[float, float]:
     return e["ts"], e["ts"] + e.get("dur", 0.0)
 
 
+_NCCL_OP = re.compile(r"ncclDevKernel_([A-Za-z]+)")
+
+
+def exposed_by_collective(events: list[dict], compute: list[tuple[float, float]], steps: int = 1) -> dict[str, float]:
+    """ms per step of each collective's exposed time (NCCL's kernel name: AllGather, ReduceScatter, AllReduce,
+    SendRecv, ...): where the exposed part of the step comes from."""
+    by_op: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for e in events:
+        if op := _NCCL_OP.search(e.get("name", "")):
+            by_op[op.group(1)].append(_interval(e))
+    return {op: uncovered_length(spans, compute) / 1e3 / steps for op, spans in sorted(by_op.items())}
+
+
 def exposed_comm(events: list[dict], steps: int = 1) -> dict[str, float]:
     """Per step: the kernel span (first device event's start to the last one's end), the time some collective kernel
     ran, and the part of it no compute kernel overlapped; `exposed_comm_share` is that part over the span. Kernels of
     one stream run one after another, so a compute kernel that overlaps a collective ran on another stream; copies
     and memsets are no compute. `compute_idle_share`: the part of the span no compute kernel ran, a pipeline's
-    bubble (a stage waiting on its neighbour) plus its exposed communication. Empty without device events (a CPU
-    trace)."""
+    bubble (a stage waiting on its neighbour) plus its exposed communication; `exposed_by_collective_ms`, the exposed
+    part by NCCL operation. Empty without device events (a CPU trace)."""
     if not events:
         return {}
     comm = [_interval(e) for e in events if kind_of(e.get("name", "")) == COLLECTIVES]
@@ -71,7 +84,8 @@ def exposed_comm(events: list[dict], steps: int = 1) -> dict[str, float]:
     idle_us = span_us - union_length(compute)
     return {"kernel_span_ms": span_us / 1e3 / steps, "comm_ms": union_length(comm) / 1e3 / steps,
             "exposed_comm_ms": exposed_us / 1e3 / steps, "exposed_comm_share": exposed_us / span_us if span_us else 0.0,
-            "compute_idle_ms": idle_us / 1e3 / steps, "compute_idle_share": idle_us / span_us if span_us else 0.0}
+            "compute_idle_ms": idle_us / 1e3 / steps, "compute_idle_share": idle_us / span_us if span_us else 0.0,
+            "exposed_by_collective_ms": exposed_by_collective(events, compute, steps)}
 
 
 def main() -> int:
@@ -83,7 +97,10 @@ def main() -> int:
     for kind, ms in kernel_mix(events, a.steps).items():
         print(f"{ms:10.2f} ms  {kind}")
     for name, value in exposed_comm(events, a.steps).items():
-        print(f"{value:10.3f}     {name}")
+        if isinstance(value, dict):
+            print(f"{'':10}     {name}: " + ", ".join(f"{op} {ms:.3f}" for op, ms in value.items()))
+        else:
+            print(f"{value:10.3f}     {name}")
     return 0
 
 

@@ -1,8 +1,9 @@
 """The cost model's prediction (prediction.json's compute_ms and step_ms) for a GPU run of llama3 or
 qwen3 with manual placement (SimpleFSDP / TP), without GPUs and without memory: rank 0 of the mesh
 on a fake process group, the model on the meta device, the train step traced on fake tensors, the
-parameter and activation policies applied (their recomputation included), then priced as the
-backend receives it, with `--compile.hardware`. Takes `graph-trainer train`'s flags; the local batch
+parameter and activation policies and the backend's graph passes applied (the recomputation and the
+collective schedule the job resolves to), then priced as the compiler receives it, with
+`--compile.hardware`. Takes `graph-trainer train`'s flags; the local batch
 is `--training.batch_size` over the data-parallel degrees, as in a run.
 
     python bench/predict_on_meta.py --model.flavor 8B --training.seq_len 8192 --training.batch_size 8 \\
@@ -20,7 +21,8 @@ import time
 
 import torch
 
-from graph_trainer import models
+from graph_trainer import defaults, models
+from graph_trainer.backends import get_backend
 from graph_trainer.capture.fx_trace import trace_train_step
 from graph_trainer.capture.optimizer_in_graph import AdamWHyper, ClipAndAdamWStep
 from graph_trainer.config import parse_args
@@ -30,9 +32,8 @@ from graph_trainer.parallel.compat import init_fake_process_group
 from graph_trainer.parallel.mesh import build_meshes, resolve_degrees
 from graph_trainer.parallel.simple_fsdp import MixedPrecision
 from graph_trainer.passes.memory_policy import activation_passes
-from graph_trainer.passes.registry import PassContext, apply_passes
+from graph_trainer.passes.registry import ESTIMATES, PASSES, PassContext, apply_passes
 from graph_trainer.passes.reshard import parameter_passes
-from graph_trainer.passes.step_estimate import estimate_graph
 from graph_trainer.placement import place_model
 from graph_trainer.train_step import FunctionalTrainStep, named_buffers
 
@@ -44,6 +45,7 @@ def main(argv: list[str]) -> None:
     cfg = parse_args(argv)
     p, t = cfg.parallelism, cfg.training
     world = p.dp_replicate * p.dp_shard * p.tp
+    cfg = defaults.resolve(cfg, "cuda", world)
     init_fake_process_group(world)
     meshes = build_meshes(resolve_degrees(p.dp_replicate, p.dp_shard, p.tp, p.ep, world), "cpu")
     spec = models.get_spec(cfg.model.name)
@@ -67,10 +69,14 @@ def main(argv: list[str]) -> None:
     ctx = PassContext(cfg=cfg, meshes=meshes, device=torch.device("cuda"), num_params=len(params),
                       num_buffers=len(buffers), param_fqns=[s.fqn for s in step.specs])
     gm = apply_passes(gm, parameter_passes(cfg) + activation_passes(cfg), ctx, "train_step")
-    est = estimate_graph(gm, ctx)
+    backend = get_backend(cfg.compile.inductor_compilation).pass_names(cfg.compile.passes)
+    lowering = next((i for i, name in enumerate(backend) if PASSES[name].compiles or PASSES[name].lowers), len(backend))
+    gm = apply_passes(gm, backend[:lowering], ctx, "train_step")
+    est = ESTIMATES.pop("train_step")
     recomputed = sum(1 for n in gm.graph.nodes if n.meta.get("memory_policy") == "recomputed")
-    print(f"{len(gm.graph.nodes)} nodes ({recomputed} recomputed), {time.perf_counter() - start:.1f} s: "
-          f"compute_ms {est.compute_s * 1e3:.1f} step_ms {est.step_s * 1e3:.1f} (optimizer after the graph "
+    print(f"{len(gm.graph.nodes)} nodes ({recomputed} recomputed), {time.perf_counter() - start:.1f} s, passes "
+          f"{','.join(backend[:lowering]) or 'none'}: compute_ms {est.compute_s * 1e3:.1f} exposed_comm_ms "
+          f"{est.exposed_comm_s * 1e3:.1f} step_ms {est.step_s * 1e3:.1f} (optimizer after the graph "
           f"{est.optimizer_s * 1e3:.1f} ms), hardware {est.hardware['hardware']}")
 
 

@@ -2,12 +2,12 @@
 of the mesh (world size from the mesh degrees; links by `--compile.hardware`: NVLink inside nodes of
 8 GPUs, InfiniBand across), also when a fake process group simulates that job on one device.
 
-It is read from the estimates `apply_passes` records for each captured graph before the passes of
-that call run (passes/step_estimate.py; in aot_fx_trace the backend's call, after the parameter and
-activation policies): the train-step graph (aot_fx_trace), the joint graph (aot), or forward +
-backward summed (jit). `compute_ms` is compute alone, `comm_ms` every collective in series,
-`exposed_comm_ms` = `step_ms` - `compute_ms` with the FSDP collectives bucketed and overlapped as
-`auto_bucketing` plans them. Eager captures no graph and writes no file.
+It is read from the estimates `apply_passes` records for each captured graph as it reaches the backend's
+compiling pass (passes/step_estimate.py; in aot_fx_trace after the parameter and activation policies and
+the collective schedule): the train-step graph (aot_fx_trace), the joint graph (aot), or forward +
+backward summed (jit). `exposed_comm_ms` is the time compute waits for collectives, issued and waited
+for where the scheduled graph has them; `compute_ms` = `step_ms` - `exposed_comm_ms` (kernels, launches,
+bucket copies); `comm_ms` every collective in series. Eager captures no graph and writes no file.
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ def predict(world_size: int) -> dict[str, Any] | None:
             memory[k] = max(memory.get(k, 0.0), v)
     hw = estimates[0].hardware
     step = sum(e.step_s for e in estimates)
-    compute = sum(e.compute_s for e in estimates)
+    exposed = sum(e.exposed_comm_s for e in estimates)
     return {
         "hardware": hw["hardware"],
         "bandwidths": {"intra_node_GBps": hw["intra_node_GBps"], "inter_node_GBps": hw["inter_node_GBps"]},
         "world_size": world_size,
         "graphs": [e.stage for e in estimates],
-        "compute_ms": compute * 1e3,
+        "compute_ms": (step - exposed) * 1e3,
         "comm_ms": sum(e.comm_s for e in estimates) * 1e3,
-        "exposed_comm_ms": (step - compute) * 1e3,
+        "exposed_comm_ms": exposed * 1e3,
         "step_ms": step * 1e3,
         "memory_gib": {**{k: v / GiB for k, v in memory.items()}, "total": sum(memory.values()) / GiB},
     }

@@ -1,6 +1,6 @@
 """Planning: which collectives share a bucket (by size, or one bucket per transformer block), where
-each bucket is issued and waited for, and the step time the cost model expects from the plan (the one estimator the scheduling passes, the
-autoparallel backend and the run's prediction file use)."""
+each bucket is issued and waited for, and the step time the cost model expects from a plan (the one estimator the scheduling
+passes and the autoparallel backend use) or from a graph as it stands (`as_issued`: the run's prediction file)."""
 
 from __future__ import annotations
 
@@ -203,9 +203,11 @@ def saturating_plan(gm: fx.GraphModule, model: CostModel) -> tuple[list[Bucket],
     return buckets, lay
 
 
-def planned_step(gm: fx.GraphModule, model: CostModel) -> Timeline:
-    """The step `auto_bucketing` expects for this graph (compute alone without FSDP collectives)."""
-    return estimate(*saturating_plan(gm, model), model)
+def as_issued(gm: fx.GraphModule, model: CostModel) -> Timeline:
+    """The step of the graph as it stands: every collective on its communicator from where the graph
+    issues it to its wait, and whatever a scheduling pass inserted (bucket copies) priced as compute."""
+    lay = layout(gm, [], model)
+    return simulate(lay.prefix, lay.fixed)
 
 
 # Per-block plans: one bucket per transformer block and kind (transformer_block_bucketing; the

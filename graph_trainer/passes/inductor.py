@@ -411,6 +411,7 @@ register_pass(PassSpec(
     stages=("forward", "backward", "train_step"),
     modes=GRAPH_MODES,
     fn=inductor_decomposition,
+    lowers=True,
 ))
 
 register_pass(PassSpec(

@@ -68,6 +68,9 @@ class PassSpec:
     cuda_only: bool = False
     compiles: bool = False
     """The pass returns a compiled callable, not a graph to transform: no graph pass may follow it."""
+    lowers: bool = False
+    """The pass rewrites the graph into the compiler's op set (the same step in other ops): the step
+    estimate prices the graph before it, as it does before a compiling pass."""
     wraps_compiled: bool = False
     """The pass wraps whatever callable it gets, so it may follow a compiling pass."""
     excluded_backends: tuple[str, ...] = ()
@@ -83,8 +86,8 @@ class PassSpec:
 
 PASSES: dict[str, PassSpec] = {}
 ESTIMATES: dict[str, GraphEstimate] = {}
-"""The cost model's estimate of each stage's graph as last captured, before its passes ran
-(prediction.json reads them)."""
+"""The cost model's estimate of each stage's graph as last captured, as it reached the compiling pass
+(or the end of the passes): the graph the backend compiles (prediction.json reads them)."""
 
 
 @dataclass(frozen=True)
@@ -164,16 +167,19 @@ def apply_passes(gm: fx.GraphModule, names: list[str], ctx: PassContext, stage: 
     """Run the named passes in order on one graph of `stage`, dumping after each.
 
     After a compiling pass the dump holds the FX graph the compiled callable was built from, marked
-    `compiled: true` in summary.json, so every stage of every backend appears in the dumps.
+    `compiled: true` in summary.json, so every stage of every backend appears in the dumps. The graph
+    that reaches the first lowering or compiling pass (or the end) is priced into `ESTIMATES`.
     """
     ctx = dataclasses.replace(ctx, stage=stage)
-    if ctx.cfg is not None:  # a job's graph (not a bare one a test builds): prediction.json prices it
-        ESTIMATES[stage] = estimate_graph(gm, ctx)
     result: Any = gm
+    priced = False
     for name in names:
         spec = PASSES[name]
         if stage not in spec.stages:
             continue
+        if (spec.compiles or spec.lowers) and not priced:
+            _record_estimate(result, ctx)
+            priced = True
         label = f"{stage}_{name}" if stage != "train_step" else name
         start = time.perf_counter()
         result = spec.fn(result, ctx)
@@ -189,7 +195,15 @@ def apply_passes(gm: fx.GraphModule, names: list[str], ctx: PassContext, stage: 
             ctx.dumper.dump(label, result, report=report)
         elif isinstance(getattr(result, "graph_module", None), fx.GraphModule):
             ctx.dumper.dump(label, result.graph_module, compiled=True, report=report)
+    if not priced:
+        _record_estimate(result, ctx)
     return result
+
+
+def _record_estimate(gm: Any, ctx: PassContext) -> None:
+    """A job's graph (not a bare one a test builds) as the compiler gets it: prediction.json prices it."""
+    if ctx.cfg is not None and isinstance(gm, fx.GraphModule):
+        ESTIMATES[ctx.stage] = estimate_graph(gm, ctx)
 
 
 _TEARDOWNS: list[Callable[[], None]] = []

@@ -1,9 +1,10 @@
-"""The cost model's estimate of one captured graph as `apply_passes` receives it (the last call for a
-stage wins: in aot_fx_trace the backend's, after the parameter and activation policies, so the memory
-policy's recomputed ops are priced): the step time `auto_bucketing` plans for it
-(`bucket_plan.planned_step`: FSDP collectives bucketed and overlapped with compute, other collectives
-where the graph issues and waits for them) and the memory it implies per rank. Only node metadata is
-read (linear passes over the graph), so every capture pays milliseconds, not seconds.
+"""The cost model's estimate of one graph as the backend compiles it (`apply_passes` prices the graph
+that reaches the first compiling pass; the last call for a stage wins: in aot_fx_trace the backend's,
+after the parameter and activation policies, so the memory policy's recomputed ops are priced, and after
+the scheduling passes, so their buckets, copies and issue points are): the step time with every
+collective where the graph issues and waits for it (`bucket_plan.as_issued`) and the memory it implies
+per rank. Only node metadata is read (linear passes over the graph), so every capture pays milliseconds,
+not seconds.
 
 Memory, in bytes: parameters (the local shards the graph takes), gradients (as many bytes), AdamW's
 two moments; activations saved for backward (forward values a backward node reads, or a partitioned
@@ -21,7 +22,7 @@ from torch import fx
 
 from ..graph_dump import collective_kind, nbytes
 from ..hardware import OPTIMIZER_BYTES_PER_ELEMENT
-from .bucket_plan import planned_step
+from .bucket_plan import as_issued
 from .bucketing_compat import WAIT
 from .collectives import forward_end
 from .cost_model import CostModel, Timeline
@@ -34,7 +35,7 @@ FUSED_BACKENDS = ("full", "autoparallel_backend")
 class GraphEstimate:
     stage: str
     schedule: Timeline
-    """The graph's step as `auto_bucketing` plans it."""
+    """The graph's step, its collectives where the graph issues and waits for them."""
     optimizer_s: float
     """The optimizer step after the graph (AdamW over the local shards, memory bound); 0 when the
     update is traced into the graph (`--compile.optimizer_in_graph`), whose ops the schedule prices."""
@@ -46,8 +47,14 @@ class GraphEstimate:
         return self.schedule.step_s + self.optimizer_s
 
     @property
+    def exposed_comm_s(self) -> float:
+        """Time compute waits for a collective (a profile's collective kernel time no compute overlaps)."""
+        return self.schedule.exposed_comm_s
+
+    @property
     def compute_s(self) -> float:
-        return self.schedule.compute_s + self.optimizer_s
+        """The step less the waits: kernels, their launches, bucket copies and the optimizer after the graph."""
+        return self.step_s - self.exposed_comm_s
 
     @property
     def comm_s(self) -> float:
@@ -87,7 +94,7 @@ def _peak_gathered(gm: fx.GraphModule) -> int:
 def estimate_graph(gm: fx.GraphModule, ctx: Any) -> GraphEstimate:
     """`ctx`: the graph's PassContext (config, meshes, device, stage, number of parameter inputs)."""
     model = CostModel.for_context(ctx, fused=ctx.cfg.compile.inductor_compilation in FUSED_BACKENDS)
-    timeline = planned_step(gm, model)
+    timeline = as_issued(gm, model)
     memory = dict.fromkeys(("params", "grads", "optimizer", "activations", "moe_dispatch", "gathered_params"), 0.0)
     optimizer_s = 0.0
     if ctx.stage != "backward":
