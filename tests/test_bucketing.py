@@ -360,6 +360,21 @@ def test_reshard_and_block_bucketing_train_bitwise_like_unbucketed():
     assert losses(run) == losses(ref) and grad_norms(run) == grad_norms(ref)
 
 
+def test_replicated_gradients_all_reduced_per_block_bitwise():
+    """Data parallelism without sharding (dp_replicate 2): every gradient is all-reduced, one collective per
+    parameter as traced; the block schedule reduces them in one all-reduce per block, [norm, output] and
+    [tok_embeddings] their own (as the solver prices a replicated parameter's gradient: one latency per
+    block). Two ranks sum each element in one addition, however the ring splits the buffer: bitwise."""
+    ddp = (*RUN, "--parallelism.dp_shard", "1", "--parallelism.dp_replicate", "2")
+    base = cached_run((*ddp, "--compile.passes", "none"), 2)
+    folder = cached_run((*ddp, "--compile.passes", "transformer_block_bucketing"), 2)
+    assert {k: v["count"] for k, v in _stage(base, "traced")["collectives"].items()} == {"all_reduce": PARAMS}
+    got = _stage(folder, "transformer_block_bucketing")["collectives"]
+    assert {k: (v["count"], v["buckets"]) for k, v in got.items()} == {"all_reduce": (LAYERS + 2, LAYERS + 1)}
+    ref, run = read_metrics(base), read_metrics(folder)
+    assert len(run) == 3 and losses(run) == losses(ref) and grad_norms(run) == grad_norms(ref)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, stage", [("aot", "joint_auto_bucketing"), ("jit", "backward_auto_bucketing")])
 def test_auto_bucketing_in_aot_and_jit_trains_bitwise_like_unbucketed(mode, stage):

@@ -1,9 +1,10 @@
 """transformer_block_bucketing: one all-gather bucket and one reduce-scatter bucket per transformer
-block, FSDP-style.
+block, FSDP-style, and one all-reduce bucket of the block's replicated parameters' gradients (DDP, or
+the parameters auto placement keeps whole).
 
 A collective's block comes from its parameter's FQN (`...layers.<i>...`): the leading graph inputs
 are the parameters in `ctx.param_fqns` order, an all-gather belongs to the parameter it gathers and a
-gradient reduce-scatter to the output it produces (outputs are (loss, *grads)). Parameters outside
+gradient reduction to the output it produces (outputs are (loss, *grads)). Parameters outside
 the blocks (embedding, final norm, output projection) are bucketed by maximal runs in the order they
 are used, so they get their own buckets and never join a block's. A block used in both forward and
 backward (parameters gathered again for backward by reshard_after_forward or activation
@@ -14,8 +15,8 @@ Schedule: a block's all-gather is issued where the all-gather `depth` blocks ear
 chosen by the cost model's simulated step time (on the link figures measured at start-up on a real
 multi-GPU job, parallel/links.py), among the depths whose gathered bytes in flight stay within the
 hardware's `max_in_flight_bytes`, the smallest on ties (least memory). A block's gradient
-reduce-scatter is issued as soon as its last gradient exists and waited for when the next block's
-reduce-scatter is issued (at most two in flight), the last one at the end. `autoparallel_scheduling`
+reduction is issued as soon as its last gradient exists and waited for when the next reduction is
+issued (at most two in flight), the last one at the end. `autoparallel_scheduling`
 weighs these per-block plans against its size-based ones.
 
 torch's `manual_overlap_bucketing` does the same from module FQNs, but finds a module's nodes through
@@ -45,7 +46,7 @@ def transformer_block_bucketing(gm: fx.GraphModule, ctx: PassContext) -> fx.Grap
 
 register_pass(PassSpec(
     name="transformer_block_bucketing",
-    description="one all-gather and one reduce-scatter bucket per transformer block (layers.<i>), "
+    description="one all-gather, one reduce-scatter and one all-reduce bucket per transformer block (layers.<i>), "
                 "non-block parameters in their own; all-gathers prefetched 1-3 blocks ahead (cost model)",
     stages=("train_step",),
     modes=("aot_fx_trace",),

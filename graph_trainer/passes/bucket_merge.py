@@ -6,7 +6,10 @@ collectives in the same order.
 - reduce-scatter: each gradient is viewed as [ranks, its shard] and the views are concatenated along
   dim 1, so the flat buffer's rank-r block holds rank r's shard of every gradient; one reduce-scatter
   then gives each rank its shard of each gradient as views of one buffer. Every element is reduced
-  exactly as before (same ranks, same op), so results are bitwise equal to the unbucketed graph.
+  exactly as before (same ranks, same op), so results are bitwise equal to the unbucketed graph;
+- all-reduce: the flattened gradients are concatenated, reduced once and split back into views. The
+  same ranks sum each element, but a ring's order of summation depends on the element's place in the
+  buffer: bitwise equal on two ranks (one addition), not beyond.
 A merged collective carries `node.meta["bucket_size"]` (tensors in it) for the graph dumps.
 """
 
@@ -20,7 +23,8 @@ from torch import fx
 
 from ..graph_dump import BUCKET_META
 from .bucket_plan import Bucket, Layout
-from .bucketing_compat import ALL_GATHER, REDUCE_SCATTER, WAIT, fake_mode_of
+from .bucketing_compat import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, fake_mode_of
+from .collectives import REDUCTIONS
 
 aten = torch.ops.aten
 
@@ -68,6 +72,10 @@ def _issue(graph: fx.Graph, b: Bucket, anchor: fx.Node) -> fx.Node:
             flats = [emit(graph, aten.view.default, _contiguous(graph, m.start.args[0]), [-1]) for m in members]
             flat = emit(graph, aten.cat.default, flats)
             start = emit(graph, ALL_GATHER, flat, first.group_size, first.group_name)
+        elif b.kind == "all_reduce":
+            flats = [emit(graph, aten.view.default, _contiguous(graph, m.start.args[0]), [-1]) for m in members]
+            flat = emit(graph, aten.cat.default, flats)
+            start = emit(graph, ALL_REDUCE, flat, first.key[4], first.group_name)
         else:
             ranks = first.group_size
             rows = []
@@ -83,7 +91,7 @@ def _issue(graph: fx.Graph, b: Bucket, anchor: fx.Node) -> fx.Node:
 
 def _wait(graph: fx.Graph, b: Bucket, start: fx.Node, anchor: fx.Node) -> list[fx.Node]:
     """Insert the bucket's wait (and copy-out) before `anchor`; returns the nodes inserted last,
-    after which a reduce-scatter's output chains go."""
+    after which a reduction's output chains go."""
     members = b.members
     if len(members) == 1:
         anchor.prepend(members[0].wait)
@@ -121,7 +129,7 @@ def rewrite(gm: fx.GraphModule, buckets: list[Bucket], lay: Layout) -> None:
     starts = [(b, _issue(graph, b, lay.anchor(b.issue))) for b in buckets]
     for b, start in starts:
         last = _wait(graph, b, start, lay.anchor(max(b.wait, b.issue)))
-        if b.kind == "reduce_scatter":
+        if b.kind in REDUCTIONS:
             cursor = last[-1]
             for n in sorted({n for m in b.members for n in m.chain}):
                 cursor.append(n)

@@ -14,7 +14,7 @@ from torch import fx
 
 from ..graph_dump import collective_kind
 from .bucketing_compat import WAIT
-from .collectives import Collective, find_collectives
+from .collectives import ORDER_BY, REDUCTIONS, Collective, find_collectives
 from .cost_model import CostModel, Timeline, Transfer, prefix_times, simulate
 
 
@@ -96,10 +96,10 @@ def layout(gm: fx.GraphModule, colls: list[Collective], model: CostModel) -> Lay
 
 
 def size_runs(colls: list[Collective], cap: Callable[[Collective], int]) -> list[Bucket]:
-    """Consecutive collectives (all-gathers by first use, reduce-scatters by readiness) of one key
-    share a bucket until it holds `cap(first member)` bytes."""
+    """Consecutive collectives (all-gathers by first use, reductions by readiness) of one key share a
+    bucket until it holds `cap(first member)` bytes."""
     buckets: list[Bucket] = []
-    for kind, sort_key in (("all_gather", "need"), ("reduce_scatter", "ready")):
+    for kind, sort_key in ORDER_BY.items():
         current: list[Collective] = []
         for c in sorted((c for c in colls if c.kind == kind), key=lambda c: getattr(c, sort_key)):
             if current and (c.key != current[0].key or sum(m.nbytes for m in current) >= cap(current[0])):
@@ -117,8 +117,9 @@ def place(buckets: list[Bucket], lay: Layout, model: CostModel) -> None:
     All-gathers: as late as still hides each bucket's estimated time behind compute before its first
     use, given that the buckets run one after another (walked from the last bucket back), then
     pushed later where more than `max_in_flight_bytes` would be in flight. Waits sit at the first use.
-    Reduce-scatters: issued as soon as the last gradient of the bucket exists; the wait goes where the
-    model expects it done, which frees the gradient buffers early without stalling.
+    Reductions: issued as soon as the last gradient of the bucket exists; the wait goes where the
+    model expects it done (its communicator runs them in issue order), which frees the gradient buffers
+    early without stalling.
     """
     gathers = sorted((b for b in buckets if b.kind == "all_gather"), key=lambda b: b.need)
     latest_finish = float("inf")
@@ -136,12 +137,13 @@ def place(buckets: list[Bucket], lay: Layout, model: CostModel) -> None:
             if not in_flight or sum(g.nbytes for g in in_flight) + b.nbytes <= cap:
                 break
             b.issue = min(g.need for g in in_flight)
-    comm_free = 0.0
+    comm_free: dict[str, float] = {}
     end = len(lay.order) - 1
-    for b in sorted((b for b in buckets if b.kind == "reduce_scatter"), key=lambda b: b.ready):
+    for b in sorted((b for b in buckets if b.kind in REDUCTIONS), key=lambda b: b.ready):
         b.issue = b.ready
-        comm_free = max(lay.prefix[b.issue], comm_free) + _comm_time(b, model)
-        b.wait = lay.first_at_or_after(comm_free, b.issue, min(end, b.need))
+        channel = b.members[0].group_name
+        comm_free[channel] = max(lay.prefix[b.issue], comm_free.get(channel, 0.0)) + _comm_time(b, model)
+        b.wait = lay.first_at_or_after(comm_free[channel], b.issue, min(end, b.need))
 
 
 def _comm_time(b: Bucket, model: CostModel) -> float:
@@ -235,7 +237,7 @@ def block_buckets(gm: fx.GraphModule, colls: list[Collective], fqns: list[str]) 
     """Collectives grouped by (kind, block or run of non-block parameters, collective key)."""
     placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     buckets: list[Bucket] = []
-    for kind, order_by in (("all_gather", "need"), ("reduce_scatter", "ready")):
+    for kind, order_by in ORDER_BY.items():
         groups: dict[tuple, list[Collective]] = {}
         run, previous_block = 0, -1
         for c in sorted((c for c in colls if c.kind == kind), key=lambda c: getattr(c, order_by)):
@@ -257,10 +259,10 @@ def place_per_block(buckets: list[Bucket], depth: int = 1) -> None:
     for k, b in enumerate(gathers):
         b.issue = max(b.ready, gathers[k - depth].need) if k >= depth else b.ready
         b.wait = b.need
-    scatters = sorted((b for b in buckets if b.kind == "reduce_scatter"), key=lambda b: b.ready)
-    for k, b in enumerate(scatters):
+    reductions = sorted((b for b in buckets if b.kind in REDUCTIONS), key=lambda b: b.ready)
+    for k, b in enumerate(reductions):
         b.issue = b.ready
-        b.wait = min(scatters[k + 1].ready, b.need) if k + 1 < len(scatters) else b.need
+        b.wait = min(reductions[k + 1].ready, b.need) if k + 1 < len(reductions) else b.need
 
 
 def gathered_in_flight(buckets: list[Bucket]) -> int:

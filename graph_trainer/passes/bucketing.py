@@ -20,7 +20,7 @@ from ..config import ConfigError
 from .bucket_merge import rewrite
 from .bucket_plan import Bucket, Layout, block_of, block_plans, choose_buckets, estimate, layout, saturating_plan
 from .bucketing_compat import META_AUTOPARALLEL_INSTALL, meta_autobucketing
-from .collectives import find_collectives
+from .collectives import KINDS, find_collectives
 from .cost_model import CostModel
 from .registry import GRAPH_MODES, PassContext, PassSpec, register_pass
 
@@ -34,7 +34,7 @@ def schedule(gm: fx.GraphModule, buckets: list[Bucket], lay: Layout, model: Cost
     """Estimate, record and rewrite a placed plan."""
     before = estimate([Bucket([m], *m.at) for b in buckets for m in b.members], lay, model)
     after = estimate(buckets, lay, model)
-    counts = {k: sum(1 for b in buckets if b.kind == k) for k in ("all_gather", "reduce_scatter")}
+    counts = {k: sum(1 for b in buckets if b.kind == k) for k in KINDS}
     gm.meta[SCHEDULE_META] = {
         "pass": name,
         "hardware": model.hw.name,
@@ -47,8 +47,8 @@ def schedule(gm: fx.GraphModule, buckets: list[Bucket], lay: Layout, model: Cost
         "issue_lead_positions": [b.need - b.issue for b in buckets if b.kind == "all_gather"],
     }
     logger.info(
-        f"{name}: {gm.meta[SCHEDULE_META]['collectives_before']} collectives -> {counts['all_gather']} all-gather "
-        f"and {counts['reduce_scatter']} reduce-scatter buckets; estimated step {after.step_s * 1e3:.2f} ms "
+        f"{name}: {gm.meta[SCHEDULE_META]['collectives_before']} collectives -> {counts['all_gather']} all-gather, "
+        f"{counts['reduce_scatter']} reduce-scatter and {counts['all_reduce']} all-reduce buckets; estimated step {after.step_s * 1e3:.2f} ms "
         f"({after.exposed_comm_s * 1e3:.2f} ms exposed comm) vs {before.step_s * 1e3:.2f} ms "
         f"({before.exposed_comm_s * 1e3:.2f} ms) unbucketed, on the {model.hw.name} model"
     )
@@ -96,7 +96,7 @@ _BUCKETING = ("auto_bucketing", "transformer_block_bucketing", "autoparallel_sch
 
 register_pass(PassSpec(
     name="auto_bucketing",
-    description="bucket FSDP all-gathers/reduce-scatters to the alpha-beta model's bandwidth-saturating "
+    description="bucket FSDP all-gathers/reduce-scatters and gradient all-reduces to the alpha-beta model's bandwidth-saturating "
                 "size and place them to overlap compute (roofline estimates)",
     stages=("train_step", "forward", "backward", "joint"),
     modes=GRAPH_MODES,

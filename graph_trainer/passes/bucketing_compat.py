@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 
 _c10d = torch.ops._c10d_functional
@@ -57,11 +58,17 @@ def is_fsdp_all_gather(node: fx.Node) -> bool:
     return inputs == 1
 
 
-def is_fsdp_reduce_scatter(node: fx.Node) -> bool:
-    """A gradient reduce-scatter: its result reaches the graph outputs through one-input ops only. A
-    copy into a fresh buffer (`copy_(empty_strided(...), grad)`: autograd giving a gradient the strides
-    of a parameter stored transposed) counts as one-input: the buffer holds no data."""
-    if node.target is not REDUCE_SCATTER:
+def group_size(group_name: str) -> int:
+    """Ranks of the process group a functional collective names (an all-reduce's arguments do not say)."""
+    return _resolve_process_group(group_name).size()
+
+
+def is_gradient_reduction(node: fx.Node) -> bool:
+    """A gradient reduce-scatter (FSDP) or all-reduce (a replicated parameter): its result reaches the
+    graph outputs through one-input ops only. A copy into a fresh buffer (`copy_(empty_strided(...),
+    grad)`: autograd giving a gradient the strides of a parameter stored transposed) counts as
+    one-input: the buffer holds no data."""
+    if node.target not in (REDUCE_SCATTER, ALL_REDUCE):
         return False
     seen: set[fx.Node] = set()
     todo = [node]

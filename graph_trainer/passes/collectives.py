@@ -1,5 +1,6 @@
-"""Discovery: the FSDP collectives of a traced graph (parameter all-gathers and gradient
-reduce-scatters) with the positions the schedulers may move them between."""
+"""Discovery: the parameter collectives of a traced graph (FSDP all-gathers, gradient reduce-scatters,
+and the gradient all-reduces of replicated parameters) with the positions the schedulers may move them
+between."""
 
 from __future__ import annotations
 
@@ -10,14 +11,22 @@ from torch import fx
 
 from ..blocks import UPDATE_KEY
 from ..graph_dump import is_collective
-from .bucketing_compat import ALL_GATHER, REDUCE_SCATTER, WAIT, ancestors, is_fsdp_all_gather, is_fsdp_reduce_scatter
+from .bucketing_compat import (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, ancestors, group_size, is_fsdp_all_gather,
+                               is_gradient_reduction)
 
 aten = torch.ops.aten
 
 
+REDUCTIONS = ("reduce_scatter", "all_reduce")
+"""Gradient reductions: issued once the bucket's last gradient exists, their results moved later."""
+KINDS = ("all_gather", *REDUCTIONS)
+ORDER_BY = {"all_gather": "need", "reduce_scatter": "ready", "all_reduce": "ready"}
+"""Bucket neighbours: all-gathers by first use, reductions by when their gradient exists."""
+
+
 @dataclass
 class Collective:
-    """One FSDP all-gather or gradient reduce-scatter and its wait, at positions in graph order."""
+    """One FSDP all-gather, gradient reduce-scatter or gradient all-reduce and its wait, at positions in graph order."""
 
     start: fx.Node
     wait: fx.Node
@@ -25,14 +34,14 @@ class Collective:
     key: tuple
     """What must match to share a bucket: kind, group, its size, dtype, reduce op, forward/backward."""
     nbytes: int
-    """Unsharded bytes: the gathered output, or the reduce-scatter's input."""
+    """Unsharded bytes: the gathered output, or the reduction's input."""
     ready: int
     """First position it may be issued at."""
     need: int
     """Position of its first consumer."""
     chain: list[fx.Node]
     """All-gather: the nodes between its parameter input and it (moved earlier with it).
-    Reduce-scatter: the one-input nodes between its result and the graph output (moved later)."""
+    Reduction: the one-input nodes between its result and the graph output (moved later)."""
     at: tuple[int, int] = (0, 0)
     """Positions of its issue and wait in the traced graph (the unscheduled baseline)."""
     placeholder: fx.Node | None = None
@@ -113,7 +122,7 @@ def find_collectives(gm: fx.GraphModule) -> list[Collective]:
     out_index = {n: i for i, n in enumerate(outputs) if isinstance(n, fx.Node)} if isinstance(outputs, (list, tuple)) else {}
     found = []
     for node in order:
-        if node.op != "call_function" or node.target not in (ALL_GATHER, REDUCE_SCATTER):
+        if node.op != "call_function" or node.target not in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE):
             continue
         waits = [u for u in node.users if u.target is WAIT]
         if len(waits) != 1 or len(node.users) != 1:
@@ -122,22 +131,29 @@ def find_collectives(gm: fx.GraphModule) -> list[Collective]:
         if not isinstance(val, torch.Tensor):
             continue
         if node.target is ALL_GATHER and is_fsdp_all_gather(node):
-            _, group_size, group_name = node.args
+            _, ranks, group_name = node.args
             placeholder, chain = _ancestors_to_placeholder(node)
             if _holds_collective(chain):
                 continue
             need = min((pos[u] for u in wait.users), default=len(order) - 1)
-            key = ("all_gather", group_name, group_size, val.dtype, None, need <= boundary)
+            key = ("all_gather", group_name, ranks, val.dtype, None, need <= boundary)
             found.append(Collective(node, wait, "all_gather", key, val.numel() * val.element_size(),
                                     pos[placeholder] + 1, need, chain, (pos[node], pos[wait]), placeholder=placeholder))
-        elif node.target is REDUCE_SCATTER:
-            read = _read_by_update(wait, pos)
-            if read is None and not is_fsdp_reduce_scatter(node):
+        elif node.target in (REDUCE_SCATTER, ALL_REDUCE):
+            kind = "reduce_scatter" if node.target is REDUCE_SCATTER else "all_reduce"
+            # an all-reduce the in-graph update reads may be the gradient norm's, which reads every gradient:
+            # only gradients on their way to the outputs are taken
+            read = _read_by_update(wait, pos) if kind == "reduce_scatter" else None
+            if read is None and not is_gradient_reduction(node):
                 continue
-            source, reduce_op, group_size, group_name = node.args
+            if kind == "reduce_scatter":
+                source, reduce_op, ranks, group_name = node.args
+            else:
+                source, reduce_op, group_name = node.args
+                ranks = group_size(group_name)
             src_val = source.meta["val"]
-            key = ("reduce_scatter", group_name, group_size, val.dtype, reduce_op, False)
-            common = (node, wait, "reduce_scatter", key, src_val.numel() * src_val.element_size(), pos[source] + 1)
+            key = (kind, group_name, ranks, val.dtype, reduce_op, False)
+            common = (node, wait, kind, key, src_val.numel() * src_val.element_size(), pos[source] + 1)
             if read is not None:
                 # Read by the in-graph optimizer (the norm over every gradient, then the update): the wait
                 # may move down to its first reader; the views between move with it.
