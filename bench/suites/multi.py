@@ -37,6 +37,9 @@ class MultiConfig:
     pp: int = 1
     schedule: str = ""
     """The pipeline schedule, with pp > 1; a data-parallel rank's `local_batch` sequences are its microbatches."""
+    memory_budgets: tuple[str, ...] = ()
+    """Runs of the memory policy (`--activation_checkpoint.mode memory_budget`) in place of `ac`: at torchtitan
+    compile's measured peak active memory for the config, our recomputation chosen to fit where it keeps its."""
 
     def gt_flags(self) -> list[str]:
         mesh = ["--parallelism.dp_shard", str(self.dp_shard), "--parallelism.tp", str(self.tp)]
@@ -80,7 +83,8 @@ class MultiConfig:
 MULTI_CONFIGS = {
     2: [
         MultiConfig("1B dp2", "llama3", "1B", 0, 2, 4096, dp_shard=2),
-        MultiConfig("8B-16L dp2", "llama3", "8B", 16, 1, 8192, dp_shard=2, ac="selective"),
+        # torchtitan compile peaked at 39.9 GiB active on 2 H200s (bench/results/2026-11-28-auto-placed-4gpu, call 4)
+        MultiConfig("8B-16L dp2", "llama3", "8B", 16, 1, 8192, dp_shard=2, ac="selective", memory_budgets=("40GiB",)),
         MultiConfig("8B-16L tp2", "llama3", "8B", 16, 1, 8192, dp_shard=1, tp=2, ac="selective"),
         MultiConfig("DeepSeek 16B-6L dp2 ep2", "deepseek_v3", "16B", 6, 2, 4096, dp_shard=2, ep=2),
         # 8 microbatches of 1 x 4096: a stage's weights, gradients and AdamW moments unsharded (36 GiB for the first
@@ -90,7 +94,8 @@ MULTI_CONFIGS = {
                     schedule="Interleaved1F1B"),
     ],
     4: [
-        MultiConfig("8B dp4", "llama3", "8B", 0, 1, 8192, dp_shard=4, ac="selective"),
+        # torchtitan compile peaks at 45.5 GiB active on 4 H100s and on 4 H200s (2026-11-27-multi-4gpu, 2026-11-28-compile-workers)
+        MultiConfig("8B dp4", "llama3", "8B", 0, 1, 8192, dp_shard=4, ac="selective", memory_budgets=("45GiB",)),
         MultiConfig("8B dp2 tp2", "llama3", "8B", 0, 1, 8192, dp_shard=2, tp=2, ac="selective"),
         MultiConfig("1B dp4", "llama3", "1B", 0, 2, 4096, dp_shard=4),
         # 12 of 27 layers: 6.9B parameters, 25.8 GiB a rank of fp32 weights, gradients and AdamW moments over 4 ranks,
@@ -158,6 +163,8 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
         theirs("titan compile", c.group, ["--compile.enable"], profile=True),
         ours("gt eager", c.group, ["--compile.mode", "eager"]),
         ours("gt aot_fx_trace full", c.group, FULL, profile=True),
+        *[ours(f"gt full memory_budget {b}", c.group, FULL + ["--activation_checkpoint.mode", "memory_budget",
+                                                              "--activation_checkpoint.memory_budget", b]) for b in c.memory_budgets],
         *capacity,
         # the same job started again: its time to first step with the compile cache the cold run filled
         replace(ours("gt full restart", c.group, FULL), warm_from="gt aot_fx_trace full"),
