@@ -58,9 +58,13 @@ def is_fsdp_all_gather(node: fx.Node) -> bool:
     return inputs == 1
 
 
-def group_size(group_name: str) -> int:
-    """Ranks of the process group a functional collective names (an all-reduce's arguments do not say)."""
-    return _resolve_process_group(group_name).size()
+def group_size(group_name: str) -> int | None:
+    """Ranks of the process group a functional collective names (an all-reduce's arguments do not say);
+    None for a group this process does not have (a graph traced under an earlier fake process group)."""
+    try:
+        return _resolve_process_group(group_name).size()
+    except RuntimeError:
+        return None
 
 
 def is_gradient_reduction(node: fx.Node) -> bool:

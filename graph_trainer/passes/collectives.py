@@ -151,6 +151,8 @@ def find_collectives(gm: fx.GraphModule) -> list[Collective]:
             else:
                 source, reduce_op, group_name = node.args
                 ranks = group_size(group_name)
+                if ranks is None:
+                    continue
             src_val = source.meta["val"]
             key = (kind, group_name, ranks, val.dtype, reduce_op, False)
             common = (node, wait, kind, key, src_val.numel() * src_val.element_size(), pos[source] + 1)
