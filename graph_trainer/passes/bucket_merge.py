@@ -68,14 +68,11 @@ def _issue(graph: fx.Graph, b: Bucket, anchor: fx.Node) -> fx.Node:
         return members[0].start
     first = members[0]
     with graph.inserting_before(anchor):
-        if b.kind == "all_gather":
+        if b.kind in ("all_gather", "all_reduce"):
             flats = [emit(graph, aten.view.default, _contiguous(graph, m.start.args[0]), [-1]) for m in members]
             flat = emit(graph, aten.cat.default, flats)
-            start = emit(graph, ALL_GATHER, flat, first.group_size, first.group_name)
-        elif b.kind == "all_reduce":
-            flats = [emit(graph, aten.view.default, _contiguous(graph, m.start.args[0]), [-1]) for m in members]
-            flat = emit(graph, aten.cat.default, flats)
-            start = emit(graph, ALL_REDUCE, flat, first.key[4], first.group_name)
+            start = (emit(graph, ALL_GATHER, flat, first.group_size, first.group_name) if b.kind == "all_gather"
+                     else emit(graph, ALL_REDUCE, flat, first.key[4], first.group_name))
         else:
             ranks = first.group_size
             rows = []

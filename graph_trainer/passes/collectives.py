@@ -19,9 +19,9 @@ aten = torch.ops.aten
 
 REDUCTIONS = ("reduce_scatter", "all_reduce")
 """Gradient reductions: issued once the bucket's last gradient exists, their results moved later."""
-KINDS = ("all_gather", *REDUCTIONS)
-ORDER_BY = {"all_gather": "need", "reduce_scatter": "ready", "all_reduce": "ready"}
+ORDER_BY = {"all_gather": "need", **dict.fromkeys(REDUCTIONS, "ready")}
 """Bucket neighbours: all-gathers by first use, reductions by when their gradient exists."""
+KINDS = tuple(ORDER_BY)
 
 
 @dataclass
