@@ -194,6 +194,9 @@ class ActivationCheckpoint:
     """memory_budget mode in aot_fx_trace: move activations to pinned host memory after forward and back before
     backward. auto: those whose copies compute hides, when the budget needs it (never on CPU, nor under a whole-graph
     Inductor compile); always: every activation that can be (to test it); never."""
+    recompute_pointwise: bool = True
+    """aot_fx_trace: recompute in backward what pointwise ops make inside a block from saved values (SwiGLU's silu
+    and product, casts) instead of saving it, as a partitioning compiler does (passes/pointwise_recompute.py)."""
 
 
 @dataclass

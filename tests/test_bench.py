@@ -55,7 +55,7 @@ def test_multi_same_work_per_rank(gpus):
             # the last AC flags win on both sides; the memory policy's runs hold torchtitan's memory, not its AC
             ours_ac = a[len(a) - a[::-1].index("--activation_checkpoint.mode")]
             if " memory_budget " in r.name:
-                assert ours_ac == "memory_budget" and _flag(a, "--activation_checkpoint.memory_budget") == r.name.split()[-1]
+                assert ours_ac == "memory_budget" and _flag(a, "--activation_checkpoint.memory_budget") == r.name.split(" memory_budget ")[1].split()[0]
             else:
                 assert ours_ac == titan[len(titan) - titan[::-1].index("--activation_checkpoint.mode")]
 

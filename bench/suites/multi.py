@@ -163,8 +163,11 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
         theirs("titan compile", c.group, ["--compile.enable"], profile=True),
         ours("gt eager", c.group, ["--compile.mode", "eager"]),
         ours("gt aot_fx_trace full", c.group, FULL, profile=True),
-        *[ours(f"gt full memory_budget {b}", c.group, FULL + ["--activation_checkpoint.mode", "memory_budget",
-                                                              "--activation_checkpoint.memory_budget", b]) for b in c.memory_budgets],
+        # what recompute_pointwise (on by default) is worth: the same run saving SwiGLU's pointwise values
+        ours("gt full no recompute_pointwise", c.group, FULL + ["--activation_checkpoint.recompute_pointwise", "false"]),
+        *[ours(f"gt full memory_budget {b}{name}", c.group, FULL + ["--activation_checkpoint.mode", "memory_budget",
+                                                                    "--activation_checkpoint.memory_budget", b] + loss)
+          for b in c.memory_budgets for name, loss in (("", []), (" fused loss", ["--training.loss", "fused_linear_ce"]))],
         *capacity,
         # the same job started again: its time to first step with the compile cache the cold run filled
         replace(ours("gt full restart", c.group, FULL), warm_from="gt aot_fx_trace full"),

@@ -112,7 +112,8 @@ def offload_mode(cfg: Any) -> str:
 
 def activation_passes(cfg: Any) -> list[str]:
     """The passes `--activation_checkpoint` adds in front of the backend's (validated with them)."""
-    return ["memory_policy"] if policy_name(cfg) else []
+    pointwise = cfg.compile.mode == "aot_fx_trace" and cfg.activation_checkpoint.recompute_pointwise
+    return (["recompute_pointwise"] if pointwise else []) + (["memory_policy"] if policy_name(cfg) else [])
 
 
 def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callable[[fx.Node], float],
