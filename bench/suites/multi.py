@@ -166,7 +166,7 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
         # what recompute_pointwise (on by default) is worth: the same run saving SwiGLU's pointwise values
         ours("gt full no recompute_pointwise", c.group, FULL + ["--activation_checkpoint.recompute_pointwise", "false"]),
         *[ours(f"gt full memory_budget {b}{name}", c.group, FULL + ["--activation_checkpoint.mode", "memory_budget",
-                                                                    "--activation_checkpoint.memory_budget", b] + loss)
+                                                                    "--activation_checkpoint.memory_budget", b] + loss, profile=True)
           for b in c.memory_budgets for name, loss in (("", []), (" fused loss", ["--training.loss", "fused_linear_ce"]))],
         *capacity,
         # the same job started again: its time to first step with the compile cache the cold run filled

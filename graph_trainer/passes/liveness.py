@@ -10,13 +10,17 @@ The schedule may differ from the graph's order (a pass can simulate a rewrite be
 step names the value it produces (a key), the node whose op it runs and the key each input is read as.
 A step without a node only reads (a wait that holds its inputs until a transfer is done). The host
 copy an offload makes is not device memory: it counts nothing.
+
+A compiler that fuses (`fusion.unmaterialized`, under a whole-graph Inductor compile) never writes
+some values: the simulation gives those no storage, and a read of one reads what it was made from
+(the fused kernel reads its producer's inputs), so those live until the fused value's last reader.
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Mapping, Sequence
+from typing import Collection, Hashable, Iterable, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -72,11 +76,13 @@ class Profile:
 
 class Simulator:
     """Simulates schedules over one graph's nodes, remembering what each node's op allocates and
-    aliases (a pass comparing many schedules of one graph pays for those once)."""
+    aliases (a pass comparing many schedules of one graph pays for those once); `fused`: the nodes
+    whose values are never written (their copies in a schedule too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused: Collection[fx.Node] = frozenset()) -> None:
         self._shares: dict[fx.Node, fx.Node | None] = {}
         self._bytes: dict[fx.Node, int] = {}
+        self.fused = fused
 
     def _shared(self, node: fx.Node) -> fx.Node | None:
         """The input whose storage `node`'s value lives in; None when it has its own."""
@@ -91,26 +97,38 @@ class Simulator:
         size: dict[Hashable, int] = {}
         born: dict[Hashable, int] = {}
         last: dict[Hashable, int] = {}
+        # the storages a read of an unwritten (fused) value reads instead
+        through: dict[Hashable, frozenset] = {}
+
+        def storages(read: Hashable) -> Iterable[Hashable]:
+            if read in through:
+                return through[read]
+            return () if owner[read] is None else (owner[read],)
+
         end = len(schedule)
         for i, (key, node, inputs) in enumerate(schedule):
             if node is None:
                 for read in inputs.values():
-                    if owner[read] is not None:
-                        last[owner[read]] = i
+                    for storage in storages(read):
+                        last[storage] = i
                 continue
             if node.op in ("placeholder", "get_attr"):
                 owner[key] = None
                 continue
             reader_end = end if node.op == "output" else i
             for read in inputs.values():
-                storage = owner[read]
-                if storage is not None:
+                for storage in storages(read):
                     last[storage] = reader_end
             if node.op == "output":
                 continue
             shared = self._shared(node)
-            if shared is not None:
+            if node in self.fused:
+                owner[key] = None
+                through[key] = frozenset(s for read in inputs.values() for s in storages(read))
+            elif shared is not None:
                 owner[key] = owner[inputs[shared]]
+                if inputs[shared] in through:
+                    through[key] = through[inputs[shared]]
             else:
                 owner[key] = key
                 size[key] = self._bytes[node]

@@ -26,9 +26,9 @@ Two policies:
   again, merged with backward's own gather, so forward's gathered copy still dies in forward; a gather
   it adds (a parameter backward does not read, such as the embedding table) is priced into its cost.
   When recomputing what helps cannot bring the peak under the budget, one warning gives the peak
-  reached. The simulation counts the unfused graph: a backend that fuses ops (Inductor) materializes
-  fewer transients, so the measured peak is often lower than the simulated one; passes after this one
-  that prefetch gathered parameters (bucketing) can make it higher. In `aot` the
+  reached. Under a whole-graph Inductor compile the simulation leaves out the values Inductor fuses
+  into their readers (`fusion`: the cross-entropy's fp32 log-softmax and its gradient); passes after
+  this one that prefetch gathered parameters (bucketing) can make the peak higher. In `aot` the
   min-cut partitioner chooses instead, under its own knob: the share of its activations to keep, set
   to the budget less 4x the parameter shards (no simulation).
 - `op` (`--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op`):
@@ -63,7 +63,7 @@ and their transfers in the graph), memory_report.py (the log line and the report
 from __future__ import annotations
 
 import heapq
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Hashable
 
 import torch
 from torch import fx
@@ -75,7 +75,8 @@ from ..parallel import OP_SAC_SAVE_LIST
 from ..units import GiB, fill_device, parse_memory_budget
 from .activations import Activations
 from .cost_model import CostModel
-from .liveness import Profile, Simulator, Step, simulate
+from .fusion import FUSING_BACKENDS, unmaterialized
+from .liveness import Profile, Simulator, Step
 from .memory_report import report_partition, report_policy, report_train_step
 from .offload_choice import NEVER, OFFLOAD_BACKENDS, Offload, choose_offloads, loss_step, offload_in_backward
 from .recompute import Ledger, Policy, recompute_in_backward, recomputed_bytes, schedule
@@ -117,7 +118,7 @@ def activation_passes(cfg: Any) -> list[str]:
 
 
 def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callable[[fx.Node], float],
-                       offload: Offload = NEVER) -> Policy:
+                       offload: Offload = NEVER, fused: Collection[fx.Node] = frozenset()) -> Policy:
     """Greedy on the simulated peak of the graph's own values (`budget_bytes`: the step's budget less
     what it holds besides them), offloading first, then recomputing.
 
@@ -135,14 +136,14 @@ def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callab
     refreshed lazily: a popped candidate whose fresh score is below the next one's goes back into the
     heap), until their bytes cover the excess; then simulate again. A round that does not lower the
     peak is undone and retried with half the bytes (a lone candidate that does not help is dropped);
-    `MAX_MISSES` such rounds in a row end the search."""
+    `MAX_MISSES` such rounds in a row end the search. `fused`: the values the compiler never writes."""
     ledger = Ledger(acts)
     baseline = ledger.bytes
     # A chain that crossed blocks would rebuild earlier blocks' values at the first backward read and hold
     # them until their own block's backward (through every block, the whole forward at once): the values
     # a block hands on are saved, so each recomputation is one block's ops from its saved inputs.
     edges = _block_edges(acts, _blocks(acts))
-    simulator = Simulator()
+    simulator = Simulator(fused)
     times: dict[fx.Node, float] = {}
 
     def node_time_of(node: fx.Node) -> float:
@@ -241,7 +242,8 @@ def _block_edges(acts: Activations, block_of: dict[fx.Node, Any]) -> set[fx.Node
     return {n for n in acts.forward if any(block_of.get(u) != block_of[n] for u in n.users if u in acts.forward)}
 
 
-def plan_op_policy(acts: Activations, save_ops: set[Any], node_time: Callable[[fx.Node], float]) -> Policy:
+def plan_op_policy(acts: Activations, save_ops: set[Any], node_time: Callable[[fx.Node], float],
+                   fused: Collection[fx.Node] = frozenset()) -> Policy:
     """torchtitan's op-level SAC, per block (`blocks.node_block`): keep the outputs of
     `save_ops` (of matmuls only the 1st, 3rd, ... of each block, as torchtitan counts them) and the
     values a block hands to other code; recompute every other recomputable op of the blocks."""
@@ -266,7 +268,8 @@ def plan_op_policy(acts: Activations, save_ops: set[Any], node_time: Callable[[f
             chain = ledger.closure([node], stop)
             if chain:
                 ledger.apply(chain)
-    peak, first = (simulate(schedule(acts, rc)).peak for rc in (ledger.rc, set()))
+    simulator = Simulator(fused)
+    peak, first = (simulator(schedule(acts, rc)).peak for rc in (ledger.rc, set()))
     return Policy(ledger.rc, ledger.bytes, baseline, sum(node_time(n) for n in ledger.rc), peak, first)
 
 
@@ -298,6 +301,16 @@ def activation_budget(ctx: PassContext) -> float:
     return step_budget(ctx) - state_bytes(ctx)
 
 
+def compiler_fused(acts: Activations) -> set[fx.Node]:
+    """The values a whole-graph Inductor compile fuses away (`fusion`): within a block's forward, a
+    block's backward, or the code outside the blocks (the loss's forward and backward run together)."""
+    def piece(node: fx.Node) -> Hashable:
+        block = node_block(node)
+        return None if block is None else (block, acts.is_backward(node))
+
+    return unmaterialized(acts.order, piece)
+
+
 def _batch_placeholders(gm: fx.GraphModule, ctx: PassContext) -> set[fx.Node]:
     """The inputs and labels: the two graph inputs after the parameters and buffers."""
     first = ctx.num_params + ctx.num_buffers
@@ -310,10 +323,11 @@ def _train_step(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cost = CostModel.for_context(ctx)
     persistent = persistent_bytes(gm, ctx)
     budget = step_budget(ctx) if name == "memory_budget" else None
+    fused = compiler_fused(acts) if ctx.cfg.compile.inductor_compilation in FUSING_BACKENDS else set()
     if budget is not None:
-        policy = plan_memory_budget(acts, budget - persistent, cost.node_time, Offload(offload_mode(ctx.cfg), cost.hw))
+        policy = plan_memory_budget(acts, budget - persistent, cost.node_time, Offload(offload_mode(ctx.cfg), cost.hw), fused)
     else:
-        policy = plan_op_policy(acts, OP_SAC_SAVE_LIST, cost.node_time)
+        policy = plan_op_policy(acts, OP_SAC_SAVE_LIST, cost.node_time, fused)
     recomputed = recomputed_bytes(acts, policy.recompute)
     recompute_in_backward(gm, acts, policy.recompute)
     if policy.offload:

@@ -22,27 +22,16 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from torch import fx
 
 from ..blocks import node_block
 from ..units import GiB
 from .activations import Activations
+from .fusion import cheap
 from .recompute import Ledger, recompute_in_backward, recomputed_bytes
 from .registry import PassContext, PassSpec, register_pass
 
 logger = logging.getLogger("graph_trainer")
-aten = torch.ops.aten
-
-
-def cheap(node: fx.Node) -> bool:
-    """An op Inductor fuses into whatever reads its value: pointwise, a cast of dtype only, a view."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    if target is aten._to_copy.default:
-        return set(node.kwargs) <= {"dtype"}
-    return torch.Tag.pointwise in target.tags or target.is_view or target is aten._unsafe_view.default
 
 
 def recompute_pointwise(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
