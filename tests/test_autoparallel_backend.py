@@ -101,7 +101,7 @@ def test_trains_like_eager_with_full_inductor():
     assert len(compiled) == 5
     assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
     stages = {s["stage"]: s for s in json.loads((folder / "graphs" / "summary.json").read_text())["stages"]}
-    assert list(stages) == ["traced", "reshard_after_forward", *GATHER_GROUP, *OWN]
+    assert list(stages) == ["traced", "reshard_after_forward", "recompute_pointwise", *GATHER_GROUP, *OWN]
     assert stages["full_inductor_compilation"]["compiled"] is True
     gathers = {name: stages[name]["collectives"]["all_gather"]["count"] for name in ("traced", "reshard_after_forward", OWN[0])}
     assert gathers["traced"] == PARAMS
@@ -145,7 +145,7 @@ def test_trains_like_eager_in_aot_and_with_auto_placement(mode, placement):
         assert stages == ["joint", "joint_reshard_after_forward",
                           *[f"{graph}{suffix}" for graph in ("forward", "backward") for suffix in ["", *(f"_{p}" for p in OWN)]]]
     else:
-        assert stages == ["traced", "reshard_after_forward", *GATHER_GROUP, *OWN]
+        assert stages == ["traced", "reshard_after_forward", "recompute_pointwise", *GATHER_GROUP, *OWN]
     if placement == "auto":
         # The run trained with the solver's placements, not SimpleFSDP's: placements.json names every
         # parameter, and the small final norm is replicated over dp_shard where SimpleFSDP shards it.

@@ -405,7 +405,7 @@ def test_default_schedule_on_four_ranks_buckets_per_block_on_its_own_group_bitwi
     folder = cached_run(FOUR, 4)
     plain = cached_run((*FOUR, "--compile.passes", "none"), 4)
     stages = [s["stage"] for s in json.loads((folder / "graphs" / "summary.json").read_text())["stages"]]
-    assert stages == ["traced", "reshard_after_forward", "separate_gather_group", "transformer_block_bucketing"]
+    assert stages == ["traced", "reshard_after_forward", "recompute_pointwise", "separate_gather_group", "transformer_block_bucketing"]
     got = _stage(folder, "transformer_block_bucketing")["collectives"]
     # all-gathers: forward [tok_embeddings], 4 blocks, [norm, output]; backward gathers again the 3 blocks
     # reshard_after_forward freed (not the last). Reduce-scatters: 4 blocks, [tok_embeddings], [norm, output].

@@ -216,8 +216,8 @@ def test_full_inductor_keeps_the_train_step_order(fake_pg):
 SMALL = ("--training.steps", "5", "--training.batch_size", "2", "--training.seq_len", "64", "--metrics.log_freq", "1")
 EAGER = ("--compile.mode", "eager")
 """The reference runs say so: the default mode is aot_fx_trace."""
-STAGES = {"regional": ["traced", "reshard_after_forward", "regional_inductor"],
-          "full": ["traced", "reshard_after_forward", "inductor_decomposition", "full_inductor_compilation"]}
+STAGES = {"regional": ["traced", "reshard_after_forward", "recompute_pointwise", "regional_inductor"],
+          "full": ["traced", "reshard_after_forward", "recompute_pointwise", "inductor_decomposition", "full_inductor_compilation"]}
 OVERLAP = ["separate_gather_group", "transformer_block_bucketing"]
 """What a multi-rank aot_fx_trace job runs by default after resharding (defaults.py)."""
 
@@ -234,7 +234,7 @@ def test_llama3_trains_like_eager(backend, nproc):
     assert len(compiled) == 5
     assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
     stages = json.loads((folder / "graphs" / "summary.json").read_text())["stages"]
-    expected = STAGES[backend][:2] + (OVERLAP if nproc == 2 else []) + STAGES[backend][2:]
+    expected = STAGES[backend][:3] + (OVERLAP if nproc == 2 else []) + STAGES[backend][3:]
     assert [s["stage"] for s in stages] == expected
     assert stages[-1]["compiled"] is True
     # Each pass's wall time on its stage, in the dump and the step-1 record: the time to the first step by pass.
