@@ -23,6 +23,7 @@ import torch
 
 from graph_trainer import defaults, models
 from graph_trainer.backends import get_backend
+from graph_trainer.blocks import annotate_blocks
 from graph_trainer.capture.fx_trace import trace_train_step
 from graph_trainer.capture.optimizer_in_graph import AdamWHyper, ClipAndAdamWStep
 from graph_trainer.config import parse_args
@@ -50,8 +51,9 @@ def main(argv: list[str]) -> None:
     meshes = build_meshes(resolve_degrees(p.dp_replicate, p.dp_shard, p.tp, p.ep, world), "cpu")
     spec = models.get_spec(cfg.model.name)
     args = spec.job_args(cfg)
-    model = place_model(models.build_on_meta(spec, args, "cpu"), spec, args, meshes,
-                        MixedPrecision(torch.bfloat16, torch.float32), cfg)
+    # the block marks the per-block schedule and the memory policy read, as the trainer sets them
+    model = annotate_blocks(place_model(models.build_on_meta(spec, args, "cpu"), spec, args, meshes,
+                                        MixedPrecision(torch.bfloat16, torch.float32), cfg))
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, cfg.compile.mode)
     step = FunctionalTrainStep(model, build_loss(t.loss, model, t.loss_chunk_tokens))
