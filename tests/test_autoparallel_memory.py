@@ -1,6 +1,8 @@
 """Auto placement keeps from forward to backward what manual SimpleFSDP keeps: activation
 checkpointing recomputes the same blocks, and every gathered parameter is freed after forward and
-gathered again for backward (`reshard_after_forward`), on llama3 debug's traced step (2 fake ranks)."""
+gathered again for backward (`reshard_after_forward`), on llama3 debug's traced step (2 fake ranks);
+and it reduces every gradient in `--training.mixed_precision_reduce`, also where the plan redistributes
+a view of the parameter (its transpose) rather than the parameter."""
 
 from __future__ import annotations
 
@@ -121,6 +123,21 @@ def _bytes_autograd_keeps(flags: list[str]) -> tuple[float, float]:
     for t in [*params.values(), *buffers.values(), tokens]:
         saved.pop(StorageWeakRef(t.untyped_storage()), None)
     return estimate, sum(saved.values())
+
+
+def test_auto_placed_gradients_reduce_in_the_reduce_dtype():
+    """bf16 parameters, fp32 reductions: each gradient reduce-scatter of the traced step is fp32. The debug
+    model's plan on 2 ranks redistributes the weights' transposes, whose gradients were reduce-scattered in
+    bf16 (43 of 43) before `apply.UnitRunner` gave those views the parameter's reduce dtype."""
+    cfg = parse_args(["--compile.mode", "aot_fx_trace", "--compile.autoparallel", "--parallelism.dp_shard", "2",
+                      "--training.batch_size", "4", "--training.seq_len", "256", "--training.mixed_precision_param", "bfloat16"])
+    try:
+        graph = trace_on_fake_mesh(cfg, 2).graph
+        reductions = [c for c in find_collectives(graph) if c.kind == "reduce_scatter"]
+    finally:
+        dist.destroy_process_group()
+    assert len(reductions) > 30
+    assert {c.start.meta["val"].dtype for c in reductions} == {torch.float32}
 
 
 def test_plan_counts_the_activations_autograd_keeps():

@@ -144,6 +144,9 @@ class UnitRunner:
         unit = self.unit
         env: dict[str, Any] = {}
         is_param: set[str] = set()
+        # values computed from one parameter alone (transposes, views, casts): their gradients are the
+        # parameter's, so they reduce in the reduce dtype wherever the plan redistributes them
+        derived: set[str] = set()
         phs = [n for n in unit.gm.graph.nodes if n.op == "placeholder"]
         n_p, n_b = len(unit.param_names), len(unit.buffer_names)
         for name, ph in zip(unit.param_names, phs[:n_p]):
@@ -182,7 +185,8 @@ class UnitRunner:
                 return value
             key = (node.name, target)
             if key not in cache:
-                cache[key] = self._to(value, target)
+                cache[key] = (value.redistribute(self.mesh, target, backward_dtype=self.mp.reduce_dtype) if node.name in derived
+                              else self._to(value, target))
             return cache[key]
 
         for node in unit.gm.graph.nodes:
@@ -230,6 +234,9 @@ class UnitRunner:
             if outs is not None and isinstance(result, DTensor) and tuple(result.placements) != outs[0]:
                 if not any(p.is_partial() for p in outs[0]):
                     result = self._to(result, outs[0])
+            tensor_inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+            if len(tensor_inputs) == 1 and (tensor_inputs[0].name in is_param or tensor_inputs[0].name in derived):
+                derived.add(node.name)
             env[node.name] = result
         raise AssertionError("graph without output")
 

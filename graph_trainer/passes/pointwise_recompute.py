@@ -9,13 +9,13 @@ inputs anyway; one train-step graph cut into pieces cannot, since every value cr
 forward piece to a backward piece is materialized. On llama3 8B (selective AC every 2nd block) that
 is two [tokens, 14336] bf16 tensors per uncheckpointed block: 7 GiB of 8192 tokens at 32 layers.
 
-For each saved value made by a pointwise op, a dtype-only cast or a view, in graph order: its chain
-back through such ops to saved values (or values outside the block: the residual stream stays saved)
-is recomputed where that lowers the saved bytes (`recompute.Ledger`: a chain whose inputs would have
-to be saved in its place frees nothing) and adds no parameter gather. The rewrite is the memory
-policy's (`recompute_in_backward`): the same ops on the same inputs, so the step's results are bitwise
-those without the pass where the ops run one by one. Runs before `memory_policy`, which then chooses
-among what is still saved.
+For each saved value made by a pointwise op, a cast on the same device or a view (`fusion.cheap`), in
+graph order: its chain back through such ops to saved values (or values outside the block: the
+residual stream stays saved) is recomputed where that lowers the saved bytes (`recompute.Ledger`: a
+chain whose inputs would have to be saved in its place frees nothing) and adds no parameter gather.
+The rewrite is the memory policy's (`recompute_in_backward`): the same ops on the same inputs, so the
+step's results are bitwise those without the pass where the ops run one by one. Runs before
+`memory_policy`, which then chooses among what is still saved.
 """
 
 from __future__ import annotations
