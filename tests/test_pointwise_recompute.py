@@ -23,8 +23,7 @@ LONG = ("--compile.mode", "aot_fx_trace", "--training.steps", "3", "--training.b
 
 
 def _ledger(gm, ctx) -> tuple[Activations, Ledger]:
-    first = ctx.num_params + ctx.num_buffers
-    acts = Activations(gm, set(gm.graph.find_nodes(op="placeholder")[first : first + 2]))
+    acts = Activations.of_step(gm, ctx)
     return acts, Ledger(acts)
 
 

@@ -4,12 +4,14 @@ offloaded, the storages they share, and the parameter gathers a recomputation mu
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
 import torch
 from torch import fx
 
+from ..blocks import node_block
 from ..graph_dump import is_collective, nbytes
 from .collectives import Collective, find_collectives, forward_derived, forward_end
 from .liveness import Step, alias_of
@@ -63,6 +65,18 @@ class Activations:
         self.inputs = {n: n.all_input_nodes for n in self.order}
         self.steps: list[Step] = [(n, n, {i: i for i in self.inputs[n]}) for n in self.order]
         """The graph as it stands, as a `liveness` schedule."""
+
+    @classmethod
+    def of_step(cls, gm: fx.GraphModule, ctx: Any) -> "Activations":
+        """Those of a traced train step (a pass's `ctx`): its batch is the two graph inputs after the
+        parameters and buffers."""
+        first = ctx.num_params + ctx.num_buffers
+        return cls(gm, set(gm.graph.find_nodes(op="placeholder")[first : first + 2]))
+
+    @functools.cached_property
+    def block_of(self) -> dict[fx.Node, int | None]:
+        """The transformer block each forward activation was computed in (None outside blocks)."""
+        return {n: node_block(n) for n in self.forward}
 
     def _recomputable(self, node: fx.Node, mutated: set[fx.Node]) -> bool:
         target = node.target

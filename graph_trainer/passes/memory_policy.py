@@ -142,7 +142,7 @@ def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callab
     # A chain that crossed blocks would rebuild earlier blocks' values at the first backward read and hold
     # them until their own block's backward (through every block, the whole forward at once): the values
     # a block hands on are saved, so each recomputation is one block's ops from its saved inputs.
-    edges = _block_edges(acts, _blocks(acts))
+    edges = _block_edges(acts)
     simulator = Simulator(fused)
     times: dict[fx.Node, float] = {}
 
@@ -232,13 +232,9 @@ def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callab
     return Policy(ledger.rc, held, baseline, sum(node_time_of(n) for n in ledger.rc), profile.peak, first.peak, plan)
 
 
-def _blocks(acts: Activations) -> dict[fx.Node, Any]:
-    """The transformer block each forward activation was computed in (None outside blocks)."""
-    return {n: node_block(n) for n in acts.forward}
-
-
-def _block_edges(acts: Activations, block_of: dict[fx.Node, Any]) -> set[fx.Node]:
+def _block_edges(acts: Activations) -> set[fx.Node]:
     """The activations a block hands to code outside it (the residual stream between blocks)."""
+    block_of = acts.block_of
     return {n for n in acts.forward if any(block_of.get(u) != block_of[n] for u in n.users if u in acts.forward)}
 
 
@@ -247,9 +243,9 @@ def plan_op_policy(acts: Activations, save_ops: set[Any], node_time: Callable[[f
     """torchtitan's op-level SAC, per block (`blocks.node_block`): keep the outputs of
     `save_ops` (of matmuls only the 1st, 3rd, ... of each block, as torchtitan counts them) and the
     values a block hands to other code; recompute every other recomputable op of the blocks."""
-    block_of = _blocks(acts)
+    block_of = acts.block_of
     mm_count: dict[Any, int] = {}
-    keep = _block_edges(acts, block_of)
+    keep = _block_edges(acts)
     for node in acts.order:
         block = block_of.get(node)
         if block is None:
@@ -311,15 +307,9 @@ def compiler_fused(acts: Activations) -> set[fx.Node]:
     return unmaterialized(acts.order, piece)
 
 
-def _batch_placeholders(gm: fx.GraphModule, ctx: PassContext) -> set[fx.Node]:
-    """The inputs and labels: the two graph inputs after the parameters and buffers."""
-    first = ctx.num_params + ctx.num_buffers
-    return set(gm.graph.find_nodes(op="placeholder")[first : first + 2])
-
-
 def _train_step(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     name = policy_name(ctx.cfg)
-    acts = Activations(gm, _batch_placeholders(gm, ctx))
+    acts = Activations.of_step(gm, ctx)
     cost = CostModel.for_context(ctx)
     persistent = persistent_bytes(gm, ctx)
     budget = step_budget(ctx) if name == "memory_budget" else None
@@ -339,7 +329,7 @@ def _train_step(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 def _joint(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """aot: the min-cut partitioner decides, under its activation memory budget knob (the share of the
     activations its default partition saves), set from our budget on the joint graph's activations."""
-    acts = Activations(gm, _batch_placeholders(gm, ctx))
+    acts = Activations.of_step(gm, ctx)
     baseline = Ledger(acts).bytes
     budget = activation_budget(ctx)
     share = min(1.0, max(0.0, budget / baseline)) if baseline else 1.0
@@ -353,7 +343,7 @@ def _joint(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 def _forward(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """aot: what the partitioner chose, read off the forward graph: its outputs after the loss are
     what backward gets; those computed from the batch are the saved activations."""
-    acts = Activations(gm, _batch_placeholders(gm, ctx))
+    acts = Activations.of_step(gm, ctx)
     outputs = next(n for n in reversed(acts.order) if n.op == "output").args[0]
     roots = {acts.roots[n] for n in outputs[1:] if isinstance(n, fx.Node)}
     saved = sum(acts.root_bytes(r) for r in roots)

@@ -24,7 +24,6 @@ import logging
 
 from torch import fx
 
-from ..blocks import node_block
 from ..units import GiB
 from .activations import Activations
 from .fusion import cheap
@@ -35,11 +34,10 @@ logger = logging.getLogger("graph_trainer")
 
 
 def recompute_pointwise(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    first = ctx.num_params + ctx.num_buffers
-    acts = Activations(gm, set(gm.graph.find_nodes(op="placeholder")[first : first + 2]))
+    acts = Activations.of_step(gm, ctx)
     ledger = Ledger(acts)
     before = ledger.bytes
-    block_of = {n: node_block(n) for n in acts.forward}
+    block_of = acts.block_of
 
     def outside(block):
         return lambda n: block_of.get(n) != block or not cheap(n)
