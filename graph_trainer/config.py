@@ -113,7 +113,7 @@ class Parallelism:
     """Expert-parallel degree for MoE models; must divide dp_shard * tp."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward and gather again in backward: always, never, or default (all but the
-    last transformer block, final norm and output, which backward needs first), in every mode."""
+    final norm and output, which backward needs first), in every mode."""
     moe_capacity_factor: float = 0.0
     """Expert-parallel dispatch buffer per peer as a multiple of the even share; 0: no token is ever dropped."""
     pp: int = 1

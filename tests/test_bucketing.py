@@ -407,9 +407,9 @@ def test_default_schedule_on_four_ranks_buckets_per_block_on_its_own_group_bitwi
     stages = [s["stage"] for s in json.loads((folder / "graphs" / "summary.json").read_text())["stages"]]
     assert stages == ["traced", "reshard_after_forward", "recompute_pointwise", "separate_gather_group", "transformer_block_bucketing"]
     got = _stage(folder, "transformer_block_bucketing")["collectives"]
-    # all-gathers: forward [tok_embeddings], 4 blocks, [norm, output]; backward gathers again the 3 blocks
-    # reshard_after_forward freed (not the last). Reduce-scatters: 4 blocks, [tok_embeddings], [norm, output].
-    assert (got["all_gather"]["count"], got["all_gather"]["buckets"]) == (9, 8)
+    # all-gathers: forward [tok_embeddings], 4 blocks, [norm, output]; backward gathers again the 4 blocks
+    # reshard_after_forward freed. Reduce-scatters: 4 blocks, [tok_embeddings], [norm, output].
+    assert (got["all_gather"]["count"], got["all_gather"]["buckets"]) == (10, 9)
     assert (got["reduce_scatter"]["count"], got["reduce_scatter"]["buckets"]) == (6, 5)
     calls = _calls(next((folder / "graphs").glob("*_transformer_block_bucketing.py")).read_text())
     gather_groups = {g for op, _, g in calls if op == "all_gather_into_tensor"}

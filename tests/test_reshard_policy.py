@@ -1,9 +1,9 @@
 """`--parallelism.reshard_after_forward` means the same in every mode: `never` keeps every gathered
 parameter from forward to backward, `always` frees them and gathers again for backward, `default`
-does so for all but the last transformer block and what follows it (final norm, output).
+does so for every transformer block, not for what follows the last one (final norm, output).
 
 Llama 3 debug with 2 blocks on dp_shard=2 (fake process group, one process): 21 parameters, each
-gathered once in forward. Backward needs 20 of them (not the embedding's table), 9 of them in block 0.
+gathered once in forward. Backward needs 20 of them (not the embedding's table), 2 of them after the blocks.
 Eager counts the all-gathers it dispatches in one step; the graph modes count them in their graph
 dumps (aot_fx_trace: the one step graph; aot and jit: forward + backward graphs).
 """
@@ -18,8 +18,8 @@ import pytest
 from graph_trainer.parallel.simple_fsdp import resharded_params
 from helpers import REPO, child_env, losses, grad_norms, run_train
 
-PARAMS, BACKWARD_READS, BLOCK = 21, 20, 9
-EXPECTED = {"never": PARAMS, "default": PARAMS + BACKWARD_READS - (BACKWARD_READS - BLOCK), "always": PARAMS + BACKWARD_READS}
+PARAMS, BACKWARD_READS, AFTER_BLOCKS = 21, 20, 2
+EXPECTED = {"never": PARAMS, "default": PARAMS + BACKWARD_READS - AFTER_BLOCKS, "always": PARAMS + BACKWARD_READS}
 
 _COUNT = r"""
 import copy, sys, torch
@@ -74,12 +74,12 @@ def counted(tmp_path_factory):
     return root, eager
 
 
-def test_policy_chooses_blocks_like_fsdp2():
+def test_default_policy_reshards_every_block():
     fqns = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0._checkpoint_wrapped_module.ffn_norm.weight",
             "layers.1.attention.wq.weight", "layers.1.ffn_norm.weight", "norm.weight", "output.weight"]
     assert resharded_params(fqns, "never") == set()
     assert resharded_params(fqns, "always") == set(fqns)
-    assert resharded_params(fqns, "default") == set(fqns[:3])
+    assert resharded_params(fqns, "default") == set(fqns[:5])
 
 
 @pytest.mark.slow

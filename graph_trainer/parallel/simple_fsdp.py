@@ -142,18 +142,20 @@ def resharded_params(fqns: Sequence[str], policy: str) -> set[str]:
     """The parameters (of `fqns`, in the model's order) whose gathered value is freed after forward
     and gathered again for backward under `--parallelism.reshard_after_forward policy`.
 
-    `always`: all; `never`: none; `default`: all but the last transformer block and the parameters
-    after it (final norm, output projection), as FSDP2 does: backward starts with them, so gathering
-    them again right after forward would only add an all-gather.
+    `always`: all; `never`: none; `default`: all but the parameters after the last transformer block
+    (final norm, output projection): backward starts with them, so gathering them again right after
+    forward would only add an all-gather. FSDP2 keeps the last block's parameters gathered as well;
+    here the last block is resharded like the others, so that every block's forward and backward is
+    the same graph, compiled once (passes/block_compile.py: on llama3 8B the kept block made a
+    forward and a backward piece of their own, two of the step's four large compiles), and its
+    gather for backward is prefetched under the loss.
     """
     if policy == "never":
         return set()
-    blocks = [int(m.group(1)) for f in fqns if (m := _BLOCK.search(f))]
+    blocks = [i for i, f in enumerate(fqns) if _BLOCK.search(f)]
     if policy == "always" or not blocks:
         return set(fqns)
-    last = max(blocks)
-    first_kept = next(i for i, f in enumerate(fqns) if (m := _BLOCK.search(f)) and int(m.group(1)) == last)
-    return set(fqns[:first_kept])
+    return set(fqns[: blocks[-1] + 1])
 
 
 _GATHERED: list[dict[int, tuple[weakref.ref, ParamGather, nn.Parameter]]] = []

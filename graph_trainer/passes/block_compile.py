@@ -96,6 +96,8 @@ class Piece:
     """Slots no later piece reads: dropped by the driver before this piece runs."""
     releases: list[int]
     """Inputs of collectives this piece waits for, issued by an earlier piece: dropped after it runs."""
+    communication: bool = False
+    """Every op of it is of a communication run (`_communication_runs`)."""
 
 
 def _is_constant(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -150,7 +152,7 @@ def _communication_runs(gm: fx.GraphModule) -> set[fx.Node]:
     return runs
 
 
-def cut(gm: fx.GraphModule, starts: list[BlockStart]) -> list[list[fx.Node]]:
+def cut(gm: fx.GraphModule, starts: list[BlockStart]) -> tuple[list[list[fx.Node]], set[fx.Node]]:
     """The graph's ops in pieces, cut before each block phase's first op, before each parameter's update
     traced in (`blocks.UPDATE_KEY`) and around each communication run (`_communication_runs`). Which
     collectives a block issues and waits for differs at the ends of each phase (no block left to
@@ -158,7 +160,8 @@ def cut(gm: fx.GraphModule, starts: list[BlockStart]) -> list[list[fx.Node]]:
     their own, they leave the blocks' compute the same from the first block to the last, and the
     pieces that hold only communication are cheap to compile. A `getitem` stays with the op whose
     multiple outputs it takes (a piece's outputs are tensors); attributes are in no piece (a constant
-    is an input of each piece that reads it, a subgraph is copied into it)."""
+    is an input of each piece that reads it, a subgraph is copied into it). Returns the pieces and the
+    communication runs' ops."""
     boundaries = {s.node for s in starts} | set(update_starts(gm))
     runs = _communication_runs(gm)
     pieces: list[list[fx.Node]] = [[]]
@@ -179,14 +182,14 @@ def cut(gm: fx.GraphModule, starts: list[BlockStart]) -> list[list[fx.Node]]:
         pieces[-1].append(node)
         home[node] = pieces[-1]
         previous = node
-    return pieces
+    return pieces, runs
 
 
 def split(gm: fx.GraphModule, starts: list[BlockStart]) -> tuple[list[Piece], list[Any], Any, int] | None:
     """The pieces with their slots, the constants (tensors the graph reads as attributes, passed as
     inputs after the graph's own), the output structure (slots in place of nodes) and the slot count.
     None when a value that is not a tensor, or has no traced value, would cross pieces."""
-    nodes = cut(gm, starts)
+    nodes, runs = cut(gm, starts)
     slot: dict[fx.Node, int] = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     constants = [n for n in gm.graph.nodes if _is_constant(gm, n)]
     for n in constants:
@@ -226,7 +229,9 @@ def split(gm: fx.GraphModule, starts: list[BlockStart]) -> tuple[list[Piece], li
         graph.output(tuple(env[n] for n in outputs))
         frees = [slot[a] for a in inputs if last_read[a] == k and held.get(a, -1) < k]
         releases = [slot[a] for a, until in held.items() if until == k and until >= last_read[a]]
-        pieces.append(Piece(LazyGraphModule(gm, graph), [slot[a] for a in inputs], [slot[n] for n in outputs], frees, releases))
+        communication = all(n in runs or n.target is operator.getitem for n in piece)
+        pieces.append(Piece(LazyGraphModule(gm, graph), [slot[a] for a in inputs], [slot[n] for n in outputs], frees, releases,
+                            communication))
     result = fx.node.map_arg(output.args[0], lambda n: _Slot(slot[n]))
     return pieces, [getattr(gm, n.target) for n in constants], result, len(slot)
 
@@ -268,6 +273,21 @@ def views_only(module: fx.GraphModule) -> bool:
                for n in module.graph.nodes)
 
 
+FX_RUNS = 2
+"""A group of communication pieces that a step runs at most this often runs as FX, not compiled: the ends
+of each phase's prefetch window (the prologue that gathers the first blocks, the last blocks that
+prefetch nothing, the loss's parameters) each make a group of their own. Each such compile is one of
+Inductor's fixed costs per graph (on llama3 8B, dp_shard 4, one H200: 9 of the step's 21 compiles); as
+FX the group's casts and copies run as separate kernels, once or twice a step."""
+
+
+def runs_as_fx(members: list[Piece]) -> bool:
+    """Whether a group of pieces runs as FX: it only takes views (`views_only`), or it is communication the
+    step runs at most `FX_RUNS` times."""
+    first = members[0]
+    return views_only(first.module) or first.communication and len(members) <= FX_RUNS
+
+
 class PieceRunner:
     """Runs the pieces in graph order, each with its group's compiled callable."""
 
@@ -302,16 +322,16 @@ class PiecePlan:
 
     @property
     def compiled_groups(self) -> list[list[Piece]]:
-        """The groups whose piece computes something (the others run as FX)."""
-        return [members for members in self.groups if not views_only(members[0].module)]
+        """The groups that are compiled (the others run as FX: `runs_as_fx`)."""
+        return [members for members in self.groups if not runs_as_fx(members)]
 
     def compile(self, ctx: PassContext, compile_fn: Callable[[fx.GraphModule, PassContext], Compiled]) -> PieceRunner:
-        """Compile each group's first piece with `compile_fn`, or run it as FX where it only takes views
-        (`views_only`); the runner calls it for every member."""
+        """Compile each group's first piece with `compile_fn`, or run it as FX (`runs_as_fx`); the runner
+        calls it for every member."""
         calls: dict[int, Callable[[list[Any]], Any]] = {}
         for members in self.groups:
             module = members[0].module
-            call = _boxed(Compiled(module, module) if views_only(module) else compile_fn(module, ctx))
+            call = _boxed(Compiled(module, module) if runs_as_fx(members) else compile_fn(module, ctx))
             for piece in members:
                 calls[id(piece)] = call
         return PieceRunner([(p, calls[id(p)]) for p in self.pieces], self.constants, self.result, self.slots)
@@ -365,14 +385,14 @@ decompositions, so that the full compile, the next pass, compiles them without c
 def decompose_pieces(plan: PiecePlan, decompose: Callable[[fx.GraphModule], fx.GraphModule | None]) -> PiecePlan:
     """The plan with every piece replaced by its group's decomposition: each group's first piece goes
     through `decompose` once (llama3 70B's 80 blocks took 32 s to decompose whole on the GPU machine;
-    its 18 distinct pieces take 6.1 s, one H200). `decompose` returns None to leave a group as it is
-    (its compile is cached)."""
+    its 18 distinct pieces take 6.1 s, one H200). A group that runs as FX (`runs_as_fx`) stays as it is, as
+    does one for which `decompose` returns None (its compile is cached)."""
     groups: list[list[Piece]] = []
     for members in plan.groups:
         first = members[0].module
         for position, node in enumerate(first.graph.nodes):
             node.meta["custom"] = {**(node.meta.get("custom") or {}), _SOURCE: position}
-        result = decompose(first)
+        result = None if runs_as_fx(members) else decompose(first)
         groups.append([replace(piece, module=result if result is not None else first) for piece in members])
     new = {id(old): piece for old_members, members in zip(plan.groups, groups) for old, piece in zip(old_members, members)}
     return PiecePlan([new[id(piece)] for piece in plan.pieces], groups, plan.constants, plan.result, plan.slots)

@@ -22,7 +22,7 @@ from ..graph_dump import is_collective
 from ..blocks import block_count
 from ..regions import REGION_KEY
 from . import compile_workers
-from .block_compile import PIECES, PiecePlan, decompose_pieces, is_subgraph, plan_pieces, stitch, views_only
+from .block_compile import PIECES, PiecePlan, decompose_pieces, is_subgraph, plan_pieces, stitch
 from .compat import (
     FakeTensorMode,
     TracingContext,
@@ -140,7 +140,7 @@ def _compile_in_workers(workers: compile_workers.CompileWorkers, missing: list[t
 def _decompose_unless_cached(piece: fx.GraphModule, ctx: PassContext, cache: compile_cache.CompileCache | None,
                              entry: PieceEntry | None) -> fx.GraphModule | None:
     """The piece decomposed (and marked with its entry), or None where its entry exists (the piece is
-    marked). Counts `decomposed_pieces`, not the pieces that only take views (they run as FX, uncached)."""
+    marked). Counts `decomposed_pieces`."""
     if entry is not None:
         entry.decomposed = not cache.path(entry.key).exists()
         if not entry.decomposed:
@@ -149,8 +149,7 @@ def _decompose_unless_cached(piece: fx.GraphModule, ctx: PassContext, cache: com
     result = decompose(piece, fake_inputs(piece, ctx))
     if entry is not None:
         result.meta[_ENTRY] = entry
-    if not views_only(piece):
-        ctx.report["inductor_decomposition"]["decomposed_pieces"] += 1
+    ctx.report["inductor_decomposition"]["decomposed_pieces"] += 1
     return result
 
 
@@ -335,6 +334,7 @@ def _compile_whole(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
             logger.warning(f"compile cache: entry {cache.path(key)} refused ({e}); compiling afresh")
             outcome = f"refused ({e})"
     written = int(by_worker)
+    start = time.perf_counter()
     if compiled is None:
         if entry is not None and not entry.decomposed:
             gm = decompose(gm, inputs)
@@ -348,7 +348,7 @@ def _compile_whole(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
             written = int(cache.store(key, compiled, parts))
     if cache is not None:
         made = "stored by a compile worker in" if by_worker else "stored in" if written else "entry"
-        logger.info(f"compile cache: {outcome}, {made} {cache.path(key)}")
+        logger.info(f"compile cache: {outcome}, {made} {cache.path(key)} ({_ops(gm)} ops, {time.perf_counter() - start:.1f} s)")
     compile_cache.record(ctx.report, outcome, int(outcome == "hit"), written)
     if kept is None:
         return Compiled(compiled, gm)
