@@ -68,24 +68,43 @@ def exposed_by_collective(events: list[dict], compute: list[tuple[float, float]]
     return {op: uncovered_length(spans, compute) / 1e3 / steps for op, spans in sorted(by_op.items())}
 
 
+SPAN_PARTS = 10
+
+
+def exposed_by_part(comm: list[tuple[float, float]], compute: list[tuple[float, float]], start: float, span: float,
+                    steps: int = 1) -> list[float]:
+    """ms per step of exposed communication in each tenth of the kernel span, first to last: communication left
+    exposed at the ends (the first blocks' gathers, the last gradients' reductions, which nothing can hide) against
+    communication exposed all through the step (a schedule that waits too early, or links slower than planned)."""
+    parts = []
+    for i in range(SPAN_PARTS):
+        lo, hi = start + span * i / SPAN_PARTS, start + span * (i + 1) / SPAN_PARTS
+        clipped = [(max(a, lo), min(b, hi)) for a, b in comm if b > lo and a < hi]
+        parts.append(uncovered_length(clipped, compute) / 1e3 / steps)
+    return parts
+
+
 def exposed_comm(events: list[dict], steps: int = 1) -> dict[str, float]:
     """Per step: the kernel span (first device event's start to the last one's end), the time some collective kernel
     ran, and the part of it no compute kernel overlapped; `exposed_comm_share` is that part over the span. Kernels of
     one stream run one after another, so a compute kernel that overlaps a collective ran on another stream; copies
     and memsets are no compute. `compute_idle_share`: the part of the span no compute kernel ran, a pipeline's
     bubble (a stage waiting on its neighbour) plus its exposed communication; `exposed_by_collective_ms`, the exposed
-    part by NCCL operation. Empty without device events (a CPU trace)."""
+    part by NCCL operation; `exposed_by_part_ms`, by tenth of the span (`exposed_by_part`). Empty without device
+    events (a CPU trace)."""
     if not events:
         return {}
     comm = [_interval(e) for e in events if kind_of(e.get("name", "")) == COLLECTIVES]
     compute = [_interval(e) for e in events if e.get("cat") == "kernel" and kind_of(e.get("name", "")) != COLLECTIVES]
-    span_us = max(stop for _, stop in map(_interval, events)) - min(start for start, _ in map(_interval, events))
+    first = min(start for start, _ in map(_interval, events))
+    span_us = max(stop for _, stop in map(_interval, events)) - first
     exposed_us = uncovered_length(comm, compute)
     idle_us = span_us - union_length(compute)
     return {"kernel_span_ms": span_us / 1e3 / steps, "comm_ms": union_length(comm) / 1e3 / steps,
             "exposed_comm_ms": exposed_us / 1e3 / steps, "exposed_comm_share": exposed_us / span_us if span_us else 0.0,
             "compute_idle_ms": idle_us / 1e3 / steps, "compute_idle_share": idle_us / span_us if span_us else 0.0,
-            "exposed_by_collective_ms": exposed_by_collective(events, compute, steps)}
+            "exposed_by_collective_ms": exposed_by_collective(events, compute, steps),
+            "exposed_by_part_ms": exposed_by_part(comm, compute, first, span_us, steps)}
 
 
 def main() -> int:
@@ -99,6 +118,8 @@ def main() -> int:
     for name, value in exposed_comm(events, a.steps).items():
         if isinstance(value, dict):
             print(f"{'':10}     {name}: " + ", ".join(f"{op} {ms:.3f}" for op, ms in value.items()))
+        elif isinstance(value, list):
+            print(f"{'':10}     {name}: " + " ".join(f"{ms:.1f}" for ms in value))
         else:
             print(f"{value:10.3f}     {name}")
     return 0

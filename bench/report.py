@@ -142,14 +142,15 @@ def _exposed_prediction_table(results: list[dict]) -> list[str]:
     lines = ["", "Exposed communication, predicted by the cost model (prediction.json) against measured from the profile "
                  "(collective kernel time no compute kernel overlaps, rank 0's trace); right within "
                  f"{100 * PREDICTION_TOLERANCE[0]:.0f}% or {100 * PREDICTION_TOLERANCE[1]:.0f}% of the kernel span:", "",
-             "| group | run | kernel span ms | measured exposed ms | by NCCL operation ms | predicted exposed ms | predicted compute ms | verdict |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| group | run | kernel span ms | measured exposed ms | by NCCL operation ms | by tenth of the span ms | predicted exposed ms | predicted compute ms | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         measured, predicted, span = r["trace_exposed_comm_ms"], r["predicted_exposed_comm_ms"], r["trace_kernel_span_ms"]
         miss = abs(predicted - measured)
         right = miss <= PREDICTION_TOLERANCE[0] * measured or miss <= PREDICTION_TOLERANCE[1] * span
         by_op = "; ".join(f"{op} {ms:.1f}" for op, ms in r.get("trace_exposed_by_collective_ms", {}).items() if ms >= 0.05) or "-"
-        lines.append(f"| {r['group']} | {r['name']} | {span:.1f} | {measured:.1f} | {by_op} | {predicted:.1f} | {r['predicted_compute_ms']:.1f} | "
+        by_part = " ".join(f"{ms:.1f}" for ms in r.get("trace_exposed_by_part_ms", [])) or "-"
+        lines.append(f"| {r['group']} | {r['name']} | {span:.1f} | {measured:.1f} | {by_op} | {by_part} | {predicted:.1f} | {r['predicted_compute_ms']:.1f} | "
                      f"{'within' if right else 'OUTSIDE'} |")
     return lines
 

@@ -66,7 +66,9 @@ def test_exposed_communication(tmp_path):
     assert exposed_comm(events) == {"kernel_span_ms": 1.0, "comm_ms": 0.6, "exposed_comm_ms": 0.4, "exposed_comm_share": 0.4,
                                     "compute_idle_ms": 0.55, "compute_idle_share": 0.55,
                                     # the reduce-scatter beside the copy (no compute) is exposed whole
-                                    "exposed_by_collective_ms": {"AllGather": 0.1, "AllReduce": 0.1, "ReduceScatter": 0.2}}
+                                    "exposed_by_collective_ms": {"AllGather": 0.1, "AllReduce": 0.1, "ReduceScatter": 0.2},
+                                    # by tenth of the span (100 us each): 400-500, 600-800, 1,000-1,100
+                                    "exposed_by_part_ms": [0.0, 0.0, 0.0, 0.1, 0.0, 0.1, 0.1, 0.0, 0.0, 0.1]}
     assert exposed_comm(events, steps=2)["exposed_comm_ms"] == 0.2
 
 
