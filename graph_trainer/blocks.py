@@ -50,16 +50,23 @@ def block_count(gm: fx.GraphModule) -> int:
     return len({node_block(n) for n in gm.graph.nodes} - {None})
 
 
-def communication_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """Collectives, their waits, and the nodes computed from graph inputs alone whose every use is one
-    of these (a parameter shard's cast, a bucket's concatenation): what a scheduling pass moves ahead
-    of the block that needs it, so it tells nothing of where a block is. (A gradient also feeds only
-    a collective, but it is computed from activations.)"""
+def computed_from_inputs(gm: fx.GraphModule) -> set[fx.Node]:
+    """The graph's inputs and the ops computed from them alone, without a collective between (a parameter
+    shard's cast, a bucket's concatenation of shards)."""
     from_inputs: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op == "placeholder" or node.op == "call_function" and not is_collective(node) and all(
                 a in from_inputs for a in node.all_input_nodes):
             from_inputs.add(node)
+    return from_inputs
+
+
+def communication_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Collectives, their waits, and the nodes computed from graph inputs alone whose every use is one
+    of these (a parameter shard's cast, a bucket's concatenation): what a scheduling pass moves ahead
+    of the block that needs it, so it tells nothing of where a block is. (A gradient also feeds only
+    a collective, but it is computed from activations.)"""
+    from_inputs = computed_from_inputs(gm)
     comm: set[fx.Node] = set()
     for node in reversed(gm.graph.nodes):
         if node.op != "call_function":

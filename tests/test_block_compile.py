@@ -16,12 +16,14 @@ from torch.fx import traceback as fx_traceback
 from helpers import cached_run, grad_norms, losses, read_metrics
 from test_bucketing import fake_pg, trace_llama  # noqa: F401  (fake_pg is a fixture)
 from test_inductor_passes import DIM, SMALL, Block, toy_train_step
+from traced_step import trace_step
 
 from graph_trainer.blocks import annotate_blocks, block_starts, node_block
 from graph_trainer.graph_dump import is_collective
 from graph_trainer.passes import block_compile, inductor
 from graph_trainer.passes.block_compile import plan_pieces
-from graph_trainer.passes.bucketing_compat import ALL_GATHER, WAIT
+from graph_trainer.passes.async_tp import _tp_group
+from graph_trainer.passes.bucketing_compat import ALL_GATHER, REDUCE_SCATTER, WAIT
 from graph_trainer.passes.registry import Compiled, PassContext, apply_passes
 
 
@@ -118,6 +120,20 @@ def test_llama3_with_per_block_buckets_compiles_the_same_pieces_at_6_and_8_layer
     compute = [members for members in plan.groups if not any(is_collective(n) for n in members[0].module.graph.nodes)
                and any(node_block(n) is not None for n in members[0].module.graph.nodes)]
     assert [len(members) for members in compute] == [8, 8], "a block's forward or backward compute differs from the others'"
+
+
+def test_tensor_parallel_collectives_stay_with_the_compute_around_them(fake_pg):
+    """llama3 debug, 4 layers, tp 2: the TP gathers before column-parallel matmuls and reduce-scatters after row-parallel
+    ones are the same in every block, so they stay in the pieces of block compute (cut out as communication, each of
+    them made two more pieces a step): no piece that holds one is a piece of communication."""
+    gm, ctx = trace_step("llama3", 1, 2, 1, "--model.n_layers", "4")
+    group = _tp_group(ctx)
+    plan = plan_pieces(gm)
+    with_tp = [p for p in plan.pieces if any(n.target in (ALL_GATHER, REDUCE_SCATTER) and n.args[-1] == group
+                                             for n in p.module.graph.nodes)]
+    assert with_tp
+    assert not any(p.communication for p in with_tp)
+    assert sum(any(n.target is torch.ops.aten.mm.default for n in p.module.graph.nodes) for p in with_tp) >= 4 * 2
 
 
 def _ops(gm: fx.GraphModule) -> list:

@@ -143,7 +143,7 @@ def find_collectives(gm: fx.GraphModule) -> list[Collective]:
             kind = "reduce_scatter" if node.target is REDUCE_SCATTER else "all_reduce"
             # an all-reduce the in-graph update reads may be the gradient norm's, which reads every gradient:
             # only gradients on their way to the outputs are taken
-            read = _read_by_update(wait, pos) if kind == "reduce_scatter" else None
+            read = read_by_update(wait, pos) if kind == "reduce_scatter" else None
             if read is None and not is_gradient_reduction(node):
                 continue
             if kind == "reduce_scatter":
@@ -169,7 +169,7 @@ def find_collectives(gm: fx.GraphModule) -> list[Collective]:
     return found
 
 
-def _read_by_update(wait: fx.Node, pos: dict[fx.Node, int]) -> tuple[list[fx.Node], int, int] | None:
+def read_by_update(wait: fx.Node, pos: dict[fx.Node, int]) -> tuple[list[fx.Node], int, int] | None:
     """For a gradient that a traced parameter update (`blocks.UPDATE_KEY`) reads: the one-input chain below
     its wait (views), the position of the first op that reads it otherwise, and the parameter's index."""
     chain: list[fx.Node] = []
