@@ -46,7 +46,14 @@ class MultiConfig:
         if self.pp > 1:
             mesh += ["--parallelism.pp", str(self.pp), "--parallelism.pp_schedule", self.schedule, "--parallelism.pp_microbatches",
                      str(self.local_batch)]
-        return mesh + (["--parallelism.ep", str(self.ep)] if self.ep > 1 else [])
+        mesh += ["--parallelism.ep", str(self.ep)] if self.ep > 1 else []
+        # torchtitan has no mixed precision for TP or PP without FSDP ("only supported when FSDP/HSDP/CP is enabled"):
+        # it trains such a mesh in fp32, and so do we, for the same step
+        return mesh + (["--training.mixed_precision_param", "float32"] if self.titan_in_fp32 else [])
+
+    @property
+    def titan_in_fp32(self) -> bool:
+        return self.dp_shard == 1 and (self.tp > 1 or self.pp > 1)
 
     def titan_flags(self) -> list[str]:
         mesh = ["--parallelism.data_parallel_shard_degree", str(self.dp_shard), "--parallelism.tensor_parallel_degree", str(self.tp)]
