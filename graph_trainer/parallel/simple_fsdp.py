@@ -146,9 +146,9 @@ def resharded_params(fqns: Sequence[str], policy: str) -> set[str]:
     (final norm, output projection): backward starts with them, so gathering them again right after
     forward would only add an all-gather. FSDP2 keeps the last block's parameters gathered as well;
     here the last block is resharded like the others, so that every block's forward and backward is
-    the same graph, compiled once (passes/block_compile.py: on llama3 8B the kept block made a
-    forward and a backward piece of their own, two of the step's four large compiles), and its
-    gather for backward is prefetched under the loss.
+    the same graph, compiled once (passes/block_compile.py: on llama3 8B with selective op AC the kept
+    block made a forward and a backward piece of their own, two of the step's four large compiles),
+    and its gather for backward is prefetched under the loss.
     """
     if policy == "never":
         return set()

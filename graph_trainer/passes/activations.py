@@ -124,6 +124,7 @@ def _regathered(gm: fx.GraphModule, pos: dict[fx.Node, int], boundary: int) -> t
     alive into backward; where a twin runs later, the rewrite merges the two (the same collective
     on the same shard gives the same value), so backward still gathers each parameter once."""
     gathers = [c for c in find_collectives(gm) if c.kind == "all_gather"]
+
     def same(c: Collective) -> tuple:
         # backward's gather reads a cast of its own (`reshard_after_forward`): the parameter names the shard
         return (c.placeholder, *c.start.args[1:])
