@@ -25,6 +25,7 @@ from torch import fx
 from graph_trainer.config import ConfigError, JobConfig
 from graph_trainer.passes.bucketing_compat import META_AUTOPARALLEL_INSTALL, meta_autobucketing
 from graph_trainer.passes import compile_workers
+from graph_trainer.passes.inductor import warm_compile_pool
 from graph_trainer.passes.registry import PASSES, PassContext, apply_passes
 
 from .base import register_backend
@@ -53,6 +54,7 @@ class AutoParallelBackend:
         return rest[:at] + SCHEDULE_AND_COMPILE + rest[at:]
 
     def prepare(self, cfg: Any, device: torch.device) -> None:
+        warm_compile_pool(device)
         compile_workers.start(self.pass_names(cfg.compile.passes), cfg, device)
 
     def compile(self, gm: fx.GraphModule, ctx: PassContext) -> Callable[..., Any]:

@@ -16,6 +16,7 @@ import torch
 from torch import fx
 
 from graph_trainer.passes import compile_workers
+from graph_trainer.passes.inductor import warm_compile_pool
 from graph_trainer.passes.registry import PASSES, PassContext, apply_passes
 
 from .base import register_backend
@@ -38,6 +39,8 @@ class NativeBackend:
         return rest[:at] + own + rest[at:]
 
     def prepare(self, cfg: Any, device: torch.device) -> None:
+        if self.name != "none":
+            warm_compile_pool(device)
         compile_workers.start(self.pass_names(cfg.compile.passes), cfg, device)
 
     def compile(self, gm: fx.GraphModule, ctx: PassContext) -> Callable[..., Any]:
