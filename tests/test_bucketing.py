@@ -48,9 +48,11 @@ def fake_pg():
     dist.destroy_process_group()
 
 
-def trace_llama(*flags: str, optimizer_in_graph: bool = False) -> tuple[fx.GraphModule, PassContext]:
+def trace_llama(*flags: str, optimizer_in_graph: bool = False, param_dtype: torch.dtype = torch.float32
+                ) -> tuple[fx.GraphModule, PassContext]:
     """llama3 debugmodel's train step with dp_shard=2 traced on meta tensors (needs `fake_pg`); with
-    `optimizer_in_graph`, clipping and AdamW traced in (capture/optimizer_in_graph.py)."""
+    `optimizer_in_graph`, clipping and AdamW traced in (capture/optimizer_in_graph.py); parameters cast to
+    `param_dtype` before they are gathered."""
     from graph_trainer import models
     from graph_trainer.blocks import annotate_blocks
     from graph_trainer.capture.fx_trace import trace_train_step
@@ -66,7 +68,7 @@ def trace_llama(*flags: str, optimizer_in_graph: bool = False) -> tuple[fx.Graph
     spec = models.get_spec("llama3")
     args = spec.args_for("debugmodel", 256, cfg.model.n_layers)
     model = place_model(models.build_on_meta(spec, args, "cpu"), spec, args, meshes,
-                        MixedPrecision(torch.float32, torch.float32), cfg)
+                        MixedPrecision(param_dtype, torch.float32), cfg)
     annotate_blocks(model)
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, cfg.compile.mode)

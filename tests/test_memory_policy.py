@@ -289,7 +289,9 @@ def test_budget_recomputations_stay_within_a_block(fake_pg, caplog):
     what a block hands on (the residual stream) is saved, so backward never rebuilds earlier blocks early."""
     gm, _, _ = _budgeted_llama("0.001GiB", caplog)
     block = node_block
-    recomputed = [n for n in gm.graph.nodes if n.meta.get("memory_policy") == "recomputed" and not is_collective(n)]
+    # a parameter's gather again (the collective and the cast of the parameter it reads) belongs to no block
+    recomputed = [n for n in gm.graph.nodes if n.meta.get("memory_policy") == "recomputed" and not is_collective(n)
+                  and not all(i.op == "placeholder" for i in n.all_input_nodes)]
     inside = [n for n in recomputed if block(n) is not None]
     assert len(inside) > 0.9 * len(recomputed) > 0
     for node in recomputed:

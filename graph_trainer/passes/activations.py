@@ -115,18 +115,27 @@ class Activations:
 
 def _regathered(gm: fx.GraphModule, pos: dict[fx.Node, int], boundary: int) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, fx.Node]]:
     """The parameters backward does not read from forward's gather (`reshard_after_forward` gathers
-    them again, or backward does not need them): each value of their forward gather (start, wait and
-    what forward derives from it alone) mapped to the gather's start; and for the start and wait of
-    each, those of the first backward gather of the same shard (its twin).
+    them again, or backward does not need them): each value of their forward gather (the ops from the
+    parameter to it, its cast; start, wait and what forward derives from it alone) mapped to the
+    gather's start; and for the start and wait of each, those of the first backward gather of the same
+    parameter, made by the same ops, over the same group (its twin).
 
     A recomputation reading one of these values gathers again rather than keep the forward copy
     alive into backward; where a twin runs later, the rewrite merges the two (the same collective
     on the same shard gives the same value), so backward still gathers each parameter once."""
     gathers = [c for c in find_collectives(gm) if c.kind == "all_gather"]
+
+    def same(c: Collective) -> tuple:
+        # backward's gather reads a cast of its own (`reshard_after_forward`): the parameter and the ops from it
+        # name the shard (an auto-placed parameter may be gathered twice, from different views of it)
+        ops = tuple((n.target, repr(fx.node.map_arg((n.args, n.kwargs), lambda _: None)))
+                    for n in sorted(c.chain, key=pos.__getitem__))
+        return (c.placeholder, ops, *c.start.args[1:])
+
     later: dict[tuple, Collective] = {}
     for c in gathers:
         if pos[c.start] > boundary:
-            later.setdefault(tuple(c.start.args), c)
+            later.setdefault(same(c), c)
     gathered: dict[fx.Node, fx.Node] = {}
     twin: dict[fx.Node, fx.Node] = {}
     for c in gathers:
@@ -135,8 +144,8 @@ def _regathered(gm: fx.GraphModule, pos: dict[fx.Node, int], boundary: int) -> t
         values = [c.start, c.wait, *forward_derived(c.wait, pos, boundary)]
         if any(pos[u] > boundary for v in values[1:] for u in v.users):
             continue
-        gathered.update((v, c.start) for v in values)
-        if (b := later.get(tuple(c.start.args))) is not None:
+        gathered.update((v, c.start) for v in (*c.chain, *values))
+        if (b := later.get(same(c))) is not None:
             twin[c.start], twin[c.wait] = b.start, b.wait
     return gathered, twin
 

@@ -300,7 +300,7 @@ FX_RUNS = 2
 """A group of communication pieces that a step runs at most this often runs as FX, not compiled: the ends
 of each phase's prefetch window (the prologue that gathers the first blocks, the last blocks that
 prefetch nothing, the loss's parameters) each make a group of their own. Each such compile is one of
-Inductor's fixed costs per graph (llama3 8B at dp_shard 4: 9 such groups); as
+Inductor's fixed costs per graph (llama3 8B at dp_shard 4: 9 of the step's 21 compiles); as
 FX the group's casts and copies run as separate kernels, once or twice a step."""
 
 

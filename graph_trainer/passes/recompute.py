@@ -67,7 +67,20 @@ def schedule(acts: Activations, recompute: set[fx.Node]) -> list[Step]:
             steps.append((node, node, {i: rebuild(i) for i in acts.inputs[node]}))
         else:
             steps.append(step)
-    return steps
+    return _without_feeders(steps, set(rebuild.merged))
+
+
+def _without_feeders(steps: list[Step], removed: set[fx.Node]) -> list[Step]:
+    """`steps` without the ops whose every reader is removed (a merged twin's own cast of its shard), as
+    `recompute_in_backward` erases them."""
+    kept: list[Step] = []
+    for step in reversed(steps):
+        node = step[1]
+        if step[0] is node and node.op == "call_function" and node.users and all(u in removed for u in node.users):
+            removed.add(node)
+            continue
+        kept.append(step)
+    return kept[::-1]
 
 
 class Rebuild:
@@ -215,7 +228,14 @@ def recompute_in_backward(gm: fx.GraphModule, acts: Activations, recompute: set[
     # The twins' readers come after the copies that replace them (waits before their starts).
     for twin in sorted(rebuild.merged, key=acts.pos.__getitem__, reverse=True):
         twin.replace_all_uses_with(rebuild.merged[twin])
+        feeders = twin.all_input_nodes
         graph.erase_node(twin)
+        # and the ops only the twin read (its own cast of the shard), as `schedule` leaves them out
+        while feeders:
+            node = feeders.pop()
+            if node.op == "call_function" and not node.users and node not in rebuild.merged:
+                feeders.extend(node.all_input_nodes)
+                graph.erase_node(node)
     # Forward values only backward read are now computed for nothing.
     for node in reversed(acts.order):
         if node in recompute and not node.users:
