@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
 from tests.helpers import launch, losses, run_train
 
 from graph_trainer.autoparallel import meta_adapter
+from graph_trainer.metrics import read_metrics
 from graph_trainer.passes.bucketing_compat import META_AUTOPARALLEL_INSTALL
 
 needs_meta = pytest.mark.skipif(meta_adapter.auto_parallel_class() is None,
@@ -96,7 +98,11 @@ def test_meta_places_fsdp_x_tp_on_four_ranks_and_trains(tmp_path):
     """In aot_fx_trace only: aot's own path for Meta's graph (`_forward_graph`) is the two-rank test's,
     and the same four-rank runs in aot took another 4 minutes of the suite on 2 cores."""
     flags = [*TRAIN, "--compile.mode", "aot_fx_trace", "--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
-    meta = run_train([*flags, *META], tmp_path / "meta", nproc=4)
+    proc = launch(["train", "--job.dump_folder", str(tmp_path / "meta"), *flags, *META], nproc=4)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    # one solve for the job: ranks 1-3 load rank 0's solution
+    assert re.search(r"Meta's placement: solved on rank 0 in [\d.]+ s, sent to 3 ranks", proc.stderr), proc.stderr[-3000:]
+    meta = read_metrics(tmp_path / "meta")
     manual = run_train(flags, tmp_path / "manual", nproc=4)
     _assert_close_to_manual(meta, manual)
     written = json.loads((tmp_path / "meta" / "placements.json").read_text())

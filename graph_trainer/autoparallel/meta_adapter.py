@@ -11,7 +11,9 @@ builds its integer program (`sharding_optimizer`); inside it `add_parameter_memo
 high)` bounds each rank's share of the parameters, `add_input_constraints` / `add_output_constraints`
 fix the placements of the batch and of the output, `optimize_placement()` solves the program and
 `apply_placement(solution)` returns a module whose parameters are DTensors in the chosen layouts
-(same FQNs, still on meta: `materialize` fills them) and whose forward runs the placed graphs.
+(same FQNs, still on meta: `materialize` fills them) and whose forward runs the placed graphs;
+`sharding_optimizer.save_placements(path)` / `load_placements(path)` write a solution as JSON by node
+name and read it back as a solution.
 This module is the one place that reaches into the package's internals (its optimizer's costs, its
 device table) and into the descriptors of its traced graph.
 
@@ -23,9 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import math
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -38,6 +43,8 @@ from ..passes.bucketing_compat import META_AUTOPARALLEL_INSTALL
 from ..units import GiB
 from .costs import state_bytes_per_element
 from .planner import DP_DIMS
+
+log = logging.getLogger(__name__)
 
 _API = ("add_parameter_memory_constraint", "add_input_constraints", "add_output_constraints", "optimize_placement", "apply_placement")
 PRICED_AS = "H100"
@@ -175,7 +182,7 @@ def place(model: nn.Module, batch_shape: tuple[int, int], mesh: DeviceMesh, mp: 
     """Place a meta-device `model` on `mesh` with Meta's solver (see `session`). `exported`: the
     module will only run inside an AOTAutograd export of the step (`--compile.mode aot`)."""
     with session(model, batch_shape, mesh, mp, memory_budget) as s:
-        placed = s.autop.apply_placement(s.autop.optimize_placement())
+        placed = s.autop.apply_placement(_solved_once(s.autop))
         forward_graph = _forward_graph(s.autop) if exported else None
     sharded = [f"{fqn} {b.placements}" for fqn, b in placed.named_buffers()
                if isinstance(b, DTensor) and not all(p.is_replicate() for p in b.placements)]
@@ -199,6 +206,39 @@ def place(model: nn.Module, batch_shape: tuple[int, int], mesh: DeviceMesh, mp: 
     cls.get_buffer = lambda module, target: DTensor.from_local(
         nn.Module.get_buffer(module, target), mesh, [Replicate()] * mesh.ndim, run_check=False)
     return placed
+
+
+def _solved_once(autop: Any) -> Any:
+    """Meta's solution for this rank: solved by rank 0 alone and sent to the others as its placements file
+    (`save_placements`: each node's chosen layouts by node name; every rank traced the same graph, so
+    `load_placements` finds the same nodes). The ranks then place alike even where the solver could pick
+    between equal optima, and N ranks on one host do not solve N times over."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from ..parallel.compat import is_fake_process_group
+
+    if not dist.is_initialized() or dist.get_world_size() == 1 or is_fake_process_group():
+        return autop.optimize_placement()
+    optimizer = autop.sharding_optimizer
+    box: list[Any] = [None]
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "placements.json"
+        if dist.get_rank() == 0:
+            t0 = time.perf_counter()
+            solution = autop.optimize_placement()
+            optimizer.save_placements(path)
+            box[0] = path.read_text()
+            log.info("Meta's placement: solved on rank 0 in %.1f s, sent to %d ranks", time.perf_counter() - t0,
+                     dist.get_world_size() - 1)
+        # AutoParallel's fake mode is active in its session: the broadcast's byte tensors must be real
+        with unset_fake_temporarily():
+            dist.broadcast_object_list(box, src=0)
+        if dist.get_rank() == 0:
+            return solution
+        path.write_text(box[0])
+        autop.sharding_placement = optimizer.load_placements(path)
+    return autop.sharding_placement
 
 
 def _forward_graph(autop: Any) -> Any:
