@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -207,7 +206,7 @@ def place(model: nn.Module, spec: Any, args: Any, meshes: Any, mp: Any, cfg: Job
         return meta_place(model, batch, meshes.dense[info.solver_names or ("dp_shard",)], mp, budget,
                           exported=cfg.compile.mode == "aot")
 
-    from ..parallel.compat import is_fake_process_group, is_lead_process
+    from ..parallel.compat import from_lead
     from .apply import apply_plan
     from .compat import register_cpu_attention_strategies
     from .trace import trace_model
@@ -217,19 +216,18 @@ def place(model: nn.Module, spec: Any, args: Any, meshes: Any, mp: Any, cfg: Job
     if cfg.compile.autoparallel_plan:
         plan = check_plan_file(cfg.compile.autoparallel_plan, cfg, (degrees.dp_replicate, degrees.dp_shard, degrees.tp))
     else:
-        box: list[Any] = [None]
-        if is_lead_process():
+        def solved() -> dict:
             solver_mesh = meshes.dense[info.solver_names] if info.solver_names else None
             if layout is None:
-                box[0] = solve(cfg, model, args, info, solver_mesh, device, mp.param_dtype, hw)
+                found = solve(cfg, model, args, info, solver_mesh, device, mp.param_dtype, hw)
             else:
                 assert build is not None, "rank 0 solves every pipeline stage on models of its own"
-                box[0] = solve_stages(cfg, args, layout, build, info, solver_mesh, device, mp.param_dtype, hw)
+                found = solve_stages(cfg, args, layout, build, info, solver_mesh, device, mp.param_dtype, hw)
             # beside metrics.jsonl, so that a run's predicted step can be held against its measured one
-            report.write(box[0], cfg.job.dump_folder)
-        if dist.is_initialized() and dist.get_world_size() > 1 and not is_fake_process_group():
-            dist.broadcast_object_list(box, src=0)
-        plan = box[0]
+            report.write(found, cfg.job.dump_folder)
+            return found
+
+        plan = from_lead(solved)
     if layout is None:
         trace = trace_model(model, batch, mp.param_dtype, device)
         return apply_plan(model, plan, trace, meshes.dense, mp, cfg.parallelism.moe_capacity_factor)

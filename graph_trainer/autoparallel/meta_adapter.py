@@ -213,32 +213,28 @@ def _solved_once(autop: Any) -> Any:
     (`save_placements`: each node's chosen layouts by node name; every rank traced the same graph, so
     `load_placements` finds the same nodes). The ranks then place alike even where the solver could pick
     between equal optima, and N ranks on one host do not solve N times over."""
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from ..parallel.compat import from_lead, is_lead_process, receiving_ranks
 
-    from ..parallel.compat import is_fake_process_group
-
-    if not dist.is_initialized() or dist.get_world_size() == 1 or is_fake_process_group():
-        return autop.optimize_placement()
     optimizer = autop.sharding_optimizer
-    box: list[Any] = [None]
+    solved: list[Any] = []
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "placements.json"
-        if dist.get_rank() == 0:
+
+        def placements() -> str:
             t0 = time.perf_counter()
-            solution = autop.optimize_placement()
+            solved.append(autop.optimize_placement())
+            if not receiving_ranks():
+                return ""
             optimizer.save_placements(path)
-            box[0] = path.read_text()
             log.info("Meta's placement: solved on rank 0 in %.1f s, sent to %d ranks", time.perf_counter() - t0,
-                     dist.get_world_size() - 1)
-        # AutoParallel's fake mode is active in its session: the broadcast's byte tensors must be real
-        with unset_fake_temporarily():
-            dist.broadcast_object_list(box, src=0)
-        if dist.get_rank() == 0:
-            return solution
-        path.write_text(box[0])
-        autop.sharding_placement = optimizer.load_placements(path)
-    return autop.sharding_placement
+                     receiving_ranks())
+            return path.read_text()
+
+        text = from_lead(placements)
+        if is_lead_process():
+            return solved[0]
+        path.write_text(text)
+        return optimizer.load_placements(path)
 
 
 def _forward_graph(autop: Any) -> Any:

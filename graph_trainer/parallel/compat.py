@@ -13,8 +13,12 @@ autograd's engine is running a backward pass.
 
 from __future__ import annotations
 
+from typing import Any, Callable, TypeVar
+
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def init_fake_process_group(world_size: int, rank: int = 0) -> None:
@@ -63,6 +67,25 @@ def is_lead_process() -> bool:
     """Whether this process writes the run's files and solves its plan: rank 0 of a real job, or the
     one process of a fake one (whichever rank it simulates)."""
     return not dist.is_initialized() or dist.get_rank() == 0 or is_fake_process_group()
+
+
+def receiving_ranks() -> int:
+    """How many ranks `from_lead` sends the lead's value to: the other ranks of a real job (a fake one's one
+    process is its own lead)."""
+    return dist.get_world_size() - 1 if dist.is_initialized() and not is_fake_process_group() else 0
+
+
+def from_lead(compute: Callable[[], T]) -> T:
+    """`compute()` on the lead process (`is_lead_process`), its value sent to the `receiving_ranks`: what every
+    rank must agree on (a plan) is decided once."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    box: list[Any] = [compute() if is_lead_process() else None]
+    if receiving_ranks():
+        # a caller may be inside a fake mode (Meta's placer session): the broadcast's byte tensors must be real
+        with unset_fake_temporarily():
+            dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
