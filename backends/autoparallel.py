@@ -54,8 +54,9 @@ class AutoParallelBackend:
         return rest[:at] + SCHEDULE_AND_COMPILE + rest[at:]
 
     def prepare(self, cfg: Any, device: torch.device) -> None:
-        warm_compile_pool(device)
-        compile_workers.start(self.pass_names(cfg.compile.passes), cfg, device)
+        # with compile workers this process only loads what they compile: its own pool would only slow the trace
+        if not compile_workers.start(self.pass_names(cfg.compile.passes), cfg, device):
+            warm_compile_pool(device)
 
     def compile(self, gm: fx.GraphModule, ctx: PassContext) -> Callable[..., Any]:
         check_config(ctx.cfg)

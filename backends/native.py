@@ -39,9 +39,9 @@ class NativeBackend:
         return rest[:at] + own + rest[at:]
 
     def prepare(self, cfg: Any, device: torch.device) -> None:
-        if self.name != "none":
+        # with compile workers this process only loads what they compile: its own pool would only slow the trace
+        if not compile_workers.start(self.pass_names(cfg.compile.passes), cfg, device) and self.name != "none":
             warm_compile_pool(device)
-        compile_workers.start(self.pass_names(cfg.compile.passes), cfg, device)
 
     def compile(self, gm: fx.GraphModule, ctx: PassContext) -> Callable[..., Any]:
         return apply_passes(gm, self.pass_names(ctx.cfg.compile.passes), ctx, "train_step")

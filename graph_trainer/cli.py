@@ -44,13 +44,20 @@ def cmd_train(argv: list[str]) -> int:
 
         print(registry_table())
         return 0
-    from .validate import validate
+    from .worker_processes import start_early, stop_early
 
-    validate(cfg)
-    _setup_logging()
-    from .trainer import run
+    # before the imports the validation and the trainer need: the workers import theirs meanwhile
+    start_early(cfg)
+    try:
+        from .validate import validate
 
-    run(cfg)
+        validate(cfg)
+        _setup_logging()
+        from .trainer import run
+
+        run(cfg)
+    finally:
+        stop_early()
     return 0
 
 

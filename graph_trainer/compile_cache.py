@@ -66,21 +66,6 @@ from .passes.compat import CompiledArtifact, FakeTensor, FakeTensorMode, ShapeEn
 logger = logging.getLogger("graph_trainer")
 
 _MAGIC = b"graph-trainer compile cache 1\n"
-OFF = ("", "off")
-"""`--compile.cache_dir` values that turn the cache off."""
-DEFAULT = "auto"
-"""`--compile.cache_dir`'s default: `<job.dump_folder>/compile_cache`."""
-CACHED_BACKENDS = ("full", "autoparallel_backend")
-"""The backends whose compiles are stored: whole graphs (or their pieces) through `standalone_compile`."""
-
-
-def cache_folder(cfg: Any) -> Path | None:
-    """Where this job's compiled graphs are stored, or None when the cache is off (or no job config)."""
-    if cfg is None or cfg.compile.cache_dir in OFF:
-        return None
-    if cfg.compile.cache_dir == DEFAULT:
-        return Path(cfg.job.dump_folder) / "compile_cache"
-    return Path(cfg.compile.cache_dir)
 
 
 def value_key(val: Any) -> Any:

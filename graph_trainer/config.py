@@ -136,6 +136,23 @@ class Parallelism:
     the embedding, the last the final norm and output."""
 
 
+CACHE_OFF = ("", "off")
+"""`--compile.cache_dir` values that turn the compile cache off."""
+CACHE_DEFAULT = "auto"
+"""`--compile.cache_dir`'s default: `<job.dump_folder>/compile_cache`."""
+CACHED_BACKENDS = ("full", "autoparallel_backend")
+"""The backends whose compiles are stored (compile_cache.py): whole graphs (or their pieces) through `standalone_compile`."""
+
+
+def cache_folder(cfg: "JobConfig | None") -> Path | None:
+    """Where this job's compiled graphs are stored, or None when the cache is off (or no job config)."""
+    if cfg is None or cfg.compile.cache_dir in CACHE_OFF:
+        return None
+    if cfg.compile.cache_dir == CACHE_DEFAULT:
+        return Path(cfg.job.dump_folder) / "compile_cache"
+    return Path(cfg.compile.cache_dir)
+
+
 @dataclass
 class Compile:
     mode: Literal["eager", "jit", "aot", "aot_fx_trace"] = "aot_fx_trace"
@@ -175,7 +192,8 @@ class Compile:
     pieces hold at most half a graph's ops (false: compile each graph whole)."""
     compile_workers: int = -1
     """Processes per rank that compile the distinct pieces of a block-reused step in parallel, into the compile cache
-    (needs it on), started while the step is traced. -1 = auto: one per 2 CPU cores on a GPU rank alone on its node
+    (needs it on), started by `graph-trainer train` before its imports where the job will trace and compile its step
+    (else where the step is about to be traced). -1 = auto: one per 2 CPU cores on a GPU rank alone on its node
     (LOCAL_WORLD_SIZE 1: one GPU, `graph-trainer precompile`), else none (several ranks of one node compiled slower
     with them). 0: the rank compiles every piece itself."""
 

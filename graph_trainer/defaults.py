@@ -17,13 +17,13 @@ from __future__ import annotations
 import dataclasses
 
 from .config import JobConfig
-from .parallel.mesh import resolve_degrees
 
 OVERLAP_SCHEDULE = ("separate_gather_group", "transformer_block_bucketing")
 NO_PASSES = "none"
 
 
-def _backend(cfg: JobConfig, device_type: str) -> str:
+def resolved_backend(cfg: JobConfig, device_type: str) -> str:
+    """`--compile.inductor_compilation` with `auto` decided for the device."""
     if cfg.compile.inductor_compilation != "auto":
         return cfg.compile.inductor_compilation
     # eager captures no graph for a backend to compile
@@ -32,6 +32,9 @@ def _backend(cfg: JobConfig, device_type: str) -> str:
 
 def _sharded(cfg: JobConfig, world_size: int) -> bool:
     """Whether parameters are sharded over data-parallel ranks (FSDP all-gathers to schedule)."""
+    # imported here: the rest of this module is read before torch is (worker_processes.start_early)
+    from .parallel.mesh import resolve_degrees
+
     p = cfg.parallelism
     return world_size > 1 and resolve_degrees(p.dp_replicate, p.dp_shard, p.tp, p.ep, world_size, p.pp).dp_shard > 1
 
@@ -49,7 +52,7 @@ def _passes(cfg: JobConfig, backend: str, world_size: int) -> list[str]:
 def resolve(cfg: JobConfig, device_type: str, world_size: int) -> JobConfig:
     """A copy of `cfg` with every `auto` setting decided. Run once per job: an empty pass list
     resolves to the schedule, so a resolved `none` is recorded as such (`for_record`)."""
-    backend = _backend(cfg, device_type)
+    backend = resolved_backend(cfg, device_type)
     compile_ = dataclasses.replace(cfg.compile, inductor_compilation=backend, passes=_passes(cfg, backend, world_size))
     return dataclasses.replace(cfg, compile=compile_)
 

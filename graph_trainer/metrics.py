@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import sys
 import time
@@ -26,6 +27,18 @@ def read_metrics(dump_folder: str | Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (from Linux's /proc; None elsewhere): what the imports, the flags and
+    their validation took before the trainer's own clock starts."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        # fields after the command's closing parenthesis start at field 3; the start time (field 22) is in clock ticks since boot
+        started = int(stat[stat.rindex(")") + 2 :].split()[19]) / os.sysconf("SC_CLK_TCK")
+        return float(Path("/proc/uptime").read_text().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -30,8 +30,7 @@ import logging
 
 import torch.distributed as dist
 
-from .compile_cache import CACHED_BACKENDS, cache_folder
-from .config import ConfigError, JobConfig
+from .config import CACHED_BACKENDS, ConfigError, JobConfig, cache_folder
 from .defaults import resolve
 from .parallel.fake_data import restore_collectives
 from .parallel.mesh import device_type

@@ -42,7 +42,8 @@ from .step_watchdog import StepWatchdog, group_timeout
 from .losses import build_loss
 from .data import TokenLoader, build_tokenizer, document_separator, read_documents
 from .hf_checkpoint import load_initial, save_hf
-from .metrics import MetricsLogger, reset_peak_memory
+from .metrics import MetricsLogger, process_age_s, reset_peak_memory
+from .worker_processes import stop_early
 from .metrics_writers import MetricWriters
 from .optimizer import build_optimizer
 from .profiling import StepProfiler
@@ -161,6 +162,7 @@ def set_determinism(cfg: JobConfig, device: torch.device) -> None:
 class GraphTrainer:
     def __init__(self, cfg: JobConfig):
         started = time.perf_counter()
+        before_init = process_age_s()
         self.env = DistEnv.simulated(cfg)
         cfg = resolve(cfg, device_type(), self.env.world_size)
         self.cfg = cfg
@@ -229,8 +231,9 @@ class GraphTrainer:
             load_initial(self.model, spec, args, Path(cfg.checkpoint.initial_load_path), cfg.checkpoint.initial_load_in_hf)
 
         loss_fn = build_loss(t.loss, self.model, t.loss_chunk_tokens)
+        stats = {"placement_s": placement_s} if before_init is None else {"placement_s": placement_s, "before_init_s": before_init}
         self.capture = CaptureContext(cfg, self.meshes, self.model, loss_fn, 1.0 / t.gradient_accumulation_steps, self.device,
-                                      stats={"placement_s": placement_s}, optimizers=self.optimizers)
+                                      stats=stats, optimizers=self.optimizers)
         self.pipeline = None
         if layout is not None:
             self.pipeline = Pipeline(self.capture, layout, args, self.local_batch, mp.param_dtype)
@@ -368,6 +371,8 @@ class GraphTrainer:
                     extra["profiled"] = True
                 if first:
                     extra["time_to_first_step_s"] = time.perf_counter() - start
+                    # compile workers started early for a compile that took none of them
+                    stop_early()
                     # every figure the capture and its passes reported (times, AC, schedule, compile cache)
                     extra.update({k: v for k, v in self.capture.stats.items() if isinstance(v, (int, float, str)) and k != "retraces"})
                     if self.is_rank0:

@@ -41,6 +41,8 @@ def test_workers_compile_every_piece_of_a_two_rank_job_and_it_trains_bit_for_bit
     assert set(stored) == set(entries(alone / "compile_cache"))
     first = warm[0]
     assert first["compile_workers"] == 1 and first["worker_compiled_pieces"] == first["compiled_blocks"] == len(stored) > 1
+    # started by the command before its imports (worker_processes.start_early), taken by the compile
+    assert first["compile_workers_started_early"] is True and first["compile_workers_ready_s"] > 0
     # the rank decomposed and compiled nothing itself; what the workers made counts as a miss, written this start
     assert first["decomposed_pieces"] == 0 and first["compile_cache"] == "miss"
     assert (first["compile_cache_entries_loaded"], first["compile_cache_entries_written"]) == (0, len(stored))
@@ -78,6 +80,9 @@ class _Failing:
     answered, as when every worker died before taking one."""
 
     procs = [None, None]
+    first_job = 0.0
+    ready = []
+    early = False
 
     def __init__(self, why: str):
         self.why = why
@@ -113,3 +118,49 @@ def test_pieces_the_workers_fail_on_are_decomposed_and_compiled_by_the_pass(why,
     assert [r.getMessage() for r in caplog.records] == [
         f"compile workers: {groups} of {groups} pieces failed, compiled here instead (first: {first})"]
     assert all(torch.equal(a, b) for a, b in zip(alone(*real), runner(*real)))
+
+
+def test_the_warm_up_compiles_a_graph_on_the_workers_device(monkeypatch):
+    """A worker's first compile happens while the rank traces (compile_worker_process._warm_up); a warm-up that
+    raised would leave every first piece to pay for it, with only a line in the worker's log to say so."""
+    from graph_trainer.passes import compile_worker_process
+
+    made = []
+    real = compile_worker_process.compile_graph
+    monkeypatch.setattr(compile_worker_process, "compile_graph", lambda *a: made.append(real(*a)) or made[-1])
+    compile_worker_process._warm_up(torch.device("cpu"))
+    assert len(made) == 1 and made[0] is not None
+
+
+def test_workers_start_early_only_for_a_job_that_will_compile_pieces_and_go_to_the_first_compile(tmp_path):
+    """`graph-trainer train` starts the workers before its imports where the traced step will be compiled by pieces
+    into a cache that holds no traced step yet; the compile adopts them when they are what it asks for."""
+    from graph_trainer import worker_processes
+
+    def job(*flags):
+        return parse_args(["--job.dump_folder", str(tmp_path), "--compile.compile_workers", "1",
+                           "--compile.inductor_compilation", "full", *flags])
+
+    try:
+        for flags in (["--compile.mode", "eager"], ["--compile.inductor_compilation", "regional"], ["--compile.cache_dir", "off"],
+                      ["--compile.no-block_reuse"], ["--compile.compile_workers", "0"]):
+            worker_processes.start_early(job(*flags))
+            assert worker_processes._early is None, flags
+        worker_processes.start_early(job())
+        early = worker_processes._early
+        assert early is not None and len(early.procs) == 1 and early.device == "cpu"
+        # asked for two: these are stopped, the compile starts its own
+        assert worker_processes.adopt(2, "cpu") is None and early.procs[0].wait(30) is not None
+        worker_processes.start_early(job())
+        again = worker_processes._early
+        adopted = worker_processes.adopt(1, "cpu")
+        assert adopted is again and worker_processes.adopt(1, "cpu") is None
+        adopted.stop()
+        assert adopted.procs[0].poll() is not None and not adopted.folder.exists()
+    finally:
+        worker_processes.stop_early()
+    # a stored trace: a restart, which loads its compiled pieces
+    (tmp_path / "compile_cache" / "traces").mkdir(parents=True)
+    (tmp_path / "compile_cache" / "traces" / ("0" * 64 + ".bin")).write_bytes(b"")
+    worker_processes.start_early(job())
+    assert worker_processes._early is None

@@ -21,7 +21,7 @@ from graph_trainer.compile_cache import CompileCache, graph_fingerprint
 from graph_trainer.config import parse_args
 from graph_trainer.parallel.mesh import Degrees
 from graph_trainer.passes.compat import LazyGraphModule
-from graph_trainer.passes.registry import apply_passes
+from graph_trainer.passes.registry import apply_passes, run_teardowns
 from graph_trainer.train_step import ParamSpec
 
 
@@ -58,6 +58,20 @@ def test_a_stored_trace_loads_as_the_same_graph_and_the_passes_see_the_same_mark
     schedule = ["separate_gather_group", "transformer_block_bucketing"]
     fresh, again = (apply_passes(g, schedule, ctx, "train_step") for g in (gm, loaded))
     assert graph_fingerprint(fresh) == graph_fingerprint(again)
+
+
+def test_a_trace_stored_aside_is_the_graph_as_traced_whatever_the_passes_do_after(fake_pg, tmp_path):
+    """The forked store pickles the step as it was at the fork, while the rank's passes go on changing it."""
+    gm, ctx = trace_step("llama3", 2, 1, 1)
+    traced = graph_fingerprint(gm)
+    _entry(tmp_path / "here").store(gm)
+    _entry(tmp_path / "aside").store_aside(gm)
+    changed = apply_passes(gm, ["separate_gather_group", "transformer_block_bucketing"], ctx, "train_step")
+    assert graph_fingerprint(changed) != traced
+    run_teardowns()  # the run's end waits for the child
+    (here,), (aside,) = (list((tmp_path / f).iterdir()) for f in ("here", "aside"))
+    assert aside.read_bytes() == here.read_bytes()
+    assert graph_fingerprint(_entry(tmp_path / "aside").load()) == traced
 
 
 def test_a_truncated_entry_is_one_warning_and_a_fresh_trace(fake_pg, tmp_path, caplog):

@@ -146,7 +146,8 @@ class TracedStep:
         logger.info(f"{'loaded' if outcome == 'hit' else 'traced'} the train step: {len(gm.graph.nodes):,} nodes in {t1 - t0:.1f} s")
         self.ctx.stats["trace_cache"] = outcome
         if cache is not None and outcome != "hit":
-            cache.store(gm)
+            # the passes change the graph from here on: the store holds it as traced
+            cache.store_aside(gm)
             self.ctx.stats["trace_store_s"] = time.perf_counter() - t1
         dumper.dump("traced", gm)
         pctx = PassContext(

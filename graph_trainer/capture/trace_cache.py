@@ -18,6 +18,11 @@ The key is everything the trace depends on:
   each rank's collectives name their own process groups).
 A key that differs is a miss and a fresh trace; an entry that is truncated, corrupt or that torch cannot
 unpickle is one warning line and a fresh trace.
+
+A miss stores the trace from a child process forked right after the trace (`store_aside`): pickling the step's
+fake values took 2.7-3.6 s of llama3 8B's cold first step (one H100/H200), time the rank now spends on its passes
+and compile instead. The child's memory is the rank's at the fork, so it pickles the graph as traced while the
+passes change the rank's own; it pickles and writes a file, no more (no CUDA, no collective).
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ import hashlib
 import importlib
 import json
 import logging
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -36,7 +47,9 @@ import torch.distributed as dist
 from torch import fx
 
 from .. import compile_cache, graph_pickle
+from ..config import CACHED_BACKENDS, cache_folder
 from ..parallel.mesh import Degrees
+from ..passes.registry import register_teardown
 from ..train_step import ParamSpec
 
 logger = logging.getLogger("graph_trainer")
@@ -49,6 +62,10 @@ IGNORED = {
 """Configuration a restart may change that cannot change the traced graph (None: the whole section). The fake process
 group traces the graph the real one does (`graph-trainer precompile` relies on it for the compile cache, whose keys
 are the graphs): a precompiled trace serves the job."""
+
+
+STORE_TIMEOUT_S = 600
+"""Longest a forked store may take (70B's took 10.2 s in the rank itself); the run's end waits for it as long."""
 
 
 @functools.cache
@@ -116,8 +133,8 @@ class TraceCache:
            degrees: Degrees) -> TraceCache | None:
         """The entry of this trace in the job's cache; None when the cache is off, or the backend stores no compile
         (then tracing is most of a start's time but a small part of a CPU test's, and storing would add to it)."""
-        folder = compile_cache.cache_folder(cfg)
-        if folder is None or cfg.compile.inductor_compilation not in compile_cache.CACHED_BACKENDS:
+        folder = cache_folder(cfg)
+        if folder is None or cfg.compile.inductor_compilation not in CACHED_BACKENDS:
             return None
         return cls(compile_cache.CompileCache(folder / "traces"), *trace_key(cfg, specs, inputs, device, degrees))
 
@@ -138,9 +155,40 @@ class TraceCache:
         # 8B, one H100, the passes took 2.7 s on the loaded step, 1.2 s traced)
         return loaded
 
-    def store(self, gm: fx.GraphModule) -> None:
+    def store(self, gm: fx.GraphModule) -> bool:
         try:
             self.cache.write(self.key, graph_pickle.dumps(gm), self.parts)
+            return True
         except Exception as e:  # noqa: BLE001  (a trace that cannot be stored still runs)
             logger.warning(f"trace cache: cannot store the traced step in {self.cache.folder} ({compile_cache.first_line(e)}); "
                            "the next start traces it again")
+            return False
+
+    def store_aside(self, gm: fx.GraphModule) -> None:
+        """`store` the step as it is now from a forked child (see the module docstring), where the platform forks;
+        the end of the run (`run_teardowns`) waits for the child."""
+        if not hasattr(os, "fork"):
+            self.store(gm)
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with warnings.catch_warnings():
+            # Python warns at any fork of a process with threads (NCCL's, Inductor's compile pool's): the child only
+            # pickles and writes, which takes no lock of theirs
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            stored = False
+            try:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(STORE_TIMEOUT_S)
+                start = time.perf_counter()
+                stored = self.store(gm)
+                if stored:
+                    logger.info(f"trace cache: stored aside in {time.perf_counter() - start:.1f} s, entry {self.cache.path(self.key)}")
+            finally:
+                # the parent's exit handlers (compile workers, process groups) are not the child's to run
+                os._exit(0 if stored else 1)
+        waiter = threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True)
+        waiter.start()
+        register_teardown(lambda: waiter.join(STORE_TIMEOUT_S))

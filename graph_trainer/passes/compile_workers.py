@@ -7,19 +7,20 @@ cold start spent most of its compile waiting on one core: llama3 8B as one rank 
 torch 2.11) took 23.7 s in the full compile and 3.2 s decomposing, of a 40.3 s first step; with 8 workers
 the pieces took 12.8 s, the first step 29.7 s (bench/results/2026-11-28-compile-workers).
 
-The workers are started before the step is traced (the backend's `prepare` calls `start`), so that their
-imports overlap the trace; where it was not traced (its trace was loaded) but two or more pieces still miss
-the cache, the pass starts them itself. A job is one piece as bytes (graph_pickle.py) with only its inputs'
-values (`_sendable`), its compile-cache key, taken by the pass before the decomposition
-(`inductor.PieceEntry`), the job's Inductor options and configuration, and the process groups its
-collectives name (the worker registers groups of the same ranks under the same names on the fake process
-group: Inductor resolves them while it compiles). The worker (compile_worker_process.py) decomposes the
-piece, compiles it with the pass's own functions (`inductor.decompose`, `inductor.compile_graph`) and
-stores it under that key. Jobs go out largest first, each to the next worker free. A piece a worker fails
-on is compiled by the pass itself, as it is without workers, after one warning line.
+The workers are the processes `graph-trainer train` started before its imports (worker_processes.py: a
+worker's imports and warm-up took 14-18 s on one H200, longer than the rank's trace), else started before the
+step is traced (the backend's `prepare` calls `start`); where it was not traced (its trace was loaded) but two
+or more pieces still miss the cache, the pass starts them itself. A job is one piece as bytes
+(graph_pickle.py) with only its inputs' values (`_sendable`), its compile-cache key, taken by the pass before
+the decomposition (`inductor.PieceEntry`), the job's Inductor options and configuration, and the process
+groups its collectives name (the worker registers groups of the same ranks under the same names on the fake
+process group: Inductor resolves them while it compiles). The worker (compile_worker_process.py) decomposes
+the piece, compiles it with the pass's own functions (`inductor.decompose`, `inductor.compile_graph`) and
+stores it under that key. Jobs go out largest first as each is pickled, each to the next worker free. A piece
+a worker fails on is compiled by the pass itself, as it is without workers, after one warning line.
 
-`--compile.compile_workers N`: N processes per rank. -1 (auto) is one per `THREADS` cores on a GPU rank
-alone on its node (one GPU; `graph-trainer precompile`, which fills the cache of a cluster job from one
+`--compile.compile_workers N`: N processes per rank. -1 (auto) is one per `worker_processes.THREADS` cores on a
+GPU rank alone on its node (one GPU; `graph-trainer precompile`, which fills the cache of a cluster job from one
 process), else none. On 4 H200s of one node (64 cores), four ranks with 8 workers each reached their
 first step later than without (45.3 s against 41.0 s): each rank compiles every piece (a compiled piece
 pins its GPU, so ranks cannot share entries), Inductor's own Triton pools already spread that over the
@@ -34,13 +35,11 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import os
 import pickle
 import queue
 import subprocess
-import sys
-import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,33 +48,15 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from .. import compile_cache, graph_pickle
+from .. import compile_cache, graph_pickle, worker_processes
+from ..config import cache_folder
 from ..parallel.compat import group_ranks
 from .compat import FakeTensorMode
 
 logger = logging.getLogger("graph_trainer")
 
-AUTO = -1
 REPLY = "graph-trainer compile worker: "
 """The prefix of a worker's answer on its stdout (anything else a library prints there is skipped)."""
-
-
-THREADS = 2
-"""Processes each worker builds its Triton kernels with (`TORCHINDUCTOR_COMPILE_THREADS`, unless set). On 16 cores
-(one H200, llama3 8B): 8 workers of 2 reached the first step in 27.0 s, 4 of 4 in 27.4 s, 15 of 1 in 31.6 s (their
-imports slowed the trace beside them), none in 40.4 s (bench/scripts/compile_workers_sweep.sh)."""
-
-
-def worker_count(cfg: Any, device: torch.device) -> int:
-    """How many workers `--compile.compile_workers` asks for on this rank (0: none): auto is one per `THREADS` cores,
-    on a GPU rank alone on its node (see the module docstring)."""
-    asked = cfg.compile.compile_workers
-    if asked != AUTO:
-        return asked
-    if device.type != "cuda" or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
-        return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // THREADS)
 
 
 def _sendable(piece: fx.GraphModule) -> fx.GraphModule:
@@ -118,18 +99,19 @@ class Job:
 
 
 class CompileWorkers:
-    """Worker processes that compile pieces into one compile cache folder."""
+    """Worker processes that compile pieces into one compile cache folder: the ones `graph-trainer train` started
+    early for this rank (worker_processes.py), or new ones."""
 
-    def __init__(self, count: int):
-        self.folder = Path(tempfile.mkdtemp(prefix="graph_trainer_workers."))
-        env = {"TORCHINDUCTOR_COMPILE_THREADS": str(THREADS), **os.environ}
-        code = "from graph_trainer.passes.compile_worker_process import serve; serve()"
-        self.logs = [self.folder / f"worker{i}.log" for i in range(count)]
-        self.procs = []
-        for log in self.logs:
-            with open(log, "w") as err:
-                self.procs.append(subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                   stderr=err, env=env, text=True, bufsize=1))
+    def __init__(self, count: int, device: torch.device = torch.device("cpu")):
+        adopted = worker_processes.adopt(count, str(device))
+        self.early = adopted is not None
+        """Started by `graph-trainer train` before its imports, not here."""
+        self.processes = adopted or worker_processes.spawn(count, str(device))
+        self.procs, self.logs, self.folder = self.processes.procs, self.processes.logs, self.processes.folder
+        self.ready: list[float] = []
+        """Each worker's seconds from its start to taking pieces, as its first answer says."""
+        self.first_job: float | None = None
+        """Seconds from the workers' start to the first piece sent."""
 
     def compile(self, jobs: list[Job], cache: compile_cache.CompileCache, options: dict | None) -> dict[str, str]:
         """Compile `jobs` into `cache`: for each key, "" where its entry was stored, else why not."""
@@ -139,8 +121,13 @@ class CompileWorkers:
             return {job.key: f"cannot name the process groups ({compile_cache.first_line(e)})" for job in jobs}
         shared = {"options": options, "config": torch._inductor.config.save_config(), "folder": str(cache.folder),
                   "groups": groups}
-        todo: queue.Queue[tuple[Job, Path]] = queue.Queue()
+        todo: queue.Queue[tuple[Job, Path] | None] = queue.Queue()
         outcomes: dict[str, str] = {}
+        threads = [threading.Thread(target=self._feed, args=(proc, log, todo, outcomes), daemon=True)
+                   for proc, log in zip(self.procs, self.logs)]
+        for t in threads:
+            t.start()
+        # each job goes out as soon as it is written, so the largest compiles while the others are pickled
         for i, job in enumerate(sorted(jobs, key=lambda j: -len(j.piece.graph.nodes))):
             path = self.folder / f"job{i}.pkl"
             try:
@@ -150,22 +137,23 @@ class CompileWorkers:
                 continue
             path.write_bytes(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
             todo.put((job, path))
-        threads = [threading.Thread(target=self._feed, args=(proc, log, todo, outcomes), daemon=True)
-                   for proc, log in zip(self.procs, self.logs)]
-        for t in threads:
-            t.start()
+            if self.first_job is None:
+                self.first_job = time.perf_counter() - self.processes.started
+        todo.put(None)
         for t in threads:
             t.join()
         return outcomes
 
-    @staticmethod
-    def _feed(proc: subprocess.Popen, log: Path, todo: queue.Queue, outcomes: dict[str, str]) -> None:
+    def _feed(self, proc: subprocess.Popen, log: Path, todo: queue.Queue, outcomes: dict[str, str]) -> None:
         """Hand `proc` jobs until none is left or it dies; record each job's outcome."""
+        ready_told = False
         while True:
-            try:
-                job, path = todo.get_nowait()
-            except queue.Empty:
+            item = todo.get()
+            if item is None:
+                # the end of the jobs, left for the other feeders
+                todo.put(None)
                 return
+            job, path = item
             try:
                 proc.stdin.write(f"{path}\n")
                 proc.stdin.flush()
@@ -180,31 +168,24 @@ class CompileWorkers:
                 return
             reply = json.loads(line[len(REPLY):])
             outcomes[job.key] = reply["error"]
+            if reply.get("ready") is not None and not ready_told:
+                ready_told = True
+                self.ready.append(reply["ready"])
             logger.info(f"compile workers: piece of {len(job.piece.graph.nodes):,} nodes in {reply['seconds']:.1f} s")
 
     def close(self) -> None:
         """Stop the workers: idle (every job answered, each entry renamed into place whole) or still importing."""
-        for proc in self.procs:
-            proc.kill()
-            proc.wait()
-            for pipe in (proc.stdin, proc.stdout):
-                try:
-                    pipe.close()
-                except OSError:  # a line written to a worker that died is not flushed anywhere
-                    pass
-        for path in self.folder.iterdir():
-            path.unlink()
-        self.folder.rmdir()
+        self.processes.stop()
 
 
 def launch(cfg: Any, device: torch.device) -> CompileWorkers | None:
     """This rank's workers, or None where none are asked for or the compile cache, where they leave their compiles,
     is off."""
-    count = worker_count(cfg, device)
-    if not count or compile_cache.cache_folder(cfg) is None:
+    count = worker_processes.worker_count(cfg.compile.compile_workers, device.type)
+    if not count or cache_folder(cfg) is None:
         return None
     try:
-        return CompileWorkers(count)
+        return CompileWorkers(count, device)
     except OSError as e:
         logger.warning(f"compile workers: cannot start {count} ({compile_cache.first_line(e)}); the rank compiles every piece itself")
         return None
@@ -213,13 +194,15 @@ def launch(cfg: Any, device: torch.device) -> CompileWorkers | None:
 _started: CompileWorkers | None = None
 
 
-def start(pass_names: list[str], cfg: Any, device: torch.device) -> None:
-    """Start this rank's workers now, ahead of the compile that will take them, where the step is compiled by pieces."""
+def start(pass_names: list[str], cfg: Any, device: torch.device) -> bool:
+    """Start this rank's workers now, ahead of the compile that will take them, where the step is compiled by pieces;
+    whether the rank has workers."""
     global _started
     if _started is None and "full_inductor_compilation" in pass_names and cfg.compile.block_reuse:
         _started = launch(cfg, device)
         if _started is not None:
             atexit.register(_started.close)
+    return _started is not None
 
 
 def take() -> CompileWorkers | None:

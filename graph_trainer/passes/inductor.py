@@ -18,6 +18,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import compile_cache
+from ..config import cache_folder
 from ..graph_dump import is_collective
 from ..blocks import block_count
 from ..regions import REGION_KEY
@@ -105,7 +106,7 @@ _ENTRY = "compile_cache_entry"
 
 
 def _cache(ctx: PassContext) -> compile_cache.CompileCache | None:
-    folder = compile_cache.cache_folder(ctx.cfg)
+    folder = cache_folder(ctx.cfg)
     return compile_cache.CompileCache(folder) if folder is not None else None
 
 
@@ -133,6 +134,11 @@ def _compile_in_workers(workers: compile_workers.CompileWorkers, missing: list[t
         logger.warning(f"compile workers: {len(jobs) - done} of {len(jobs)} pieces failed, compiled here instead (first: {why})")
     report = ctx.report["inductor_decomposition"]
     report["compile_workers"] = len(workers.procs)
+    report["compile_workers_started_early"] = workers.early
+    # whether the workers were the wait: seconds from their start to the first piece sent, and to the last one ready
+    report["compile_workers_first_piece_s"] = workers.first_job
+    if workers.ready:
+        report["compile_workers_ready_s"] = max(workers.ready)
     report["worker_compiled_pieces"] = report.get("worker_compiled_pieces", 0) + done
     report["compile_workers_s"] = report.get("compile_workers_s", 0.0) + time.perf_counter() - start
 
