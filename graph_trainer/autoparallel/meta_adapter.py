@@ -44,7 +44,7 @@ from ..units import GiB
 from .costs import state_bytes_per_element
 from .planner import DP_DIMS
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger("graph_trainer")
 
 _API = ("add_parameter_memory_constraint", "add_input_constraints", "add_output_constraints", "optimize_placement", "apply_placement")
 PRICED_AS = "H100"
@@ -226,8 +226,7 @@ def _solved_once(autop: Any) -> Any:
             if not receiving_ranks():
                 return ""
             optimizer.save_placements(path)
-            log.info("Meta's placement: solved on rank 0 in %.1f s, sent to %d ranks", time.perf_counter() - t0,
-                     receiving_ranks())
+            logger.info(f"Meta's placement: solved on rank 0 in {time.perf_counter() - t0:.1f} s, sent to {receiving_ranks()} ranks")
             return path.read_text()
 
         text = from_lead(placements)
