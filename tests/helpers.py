@@ -30,10 +30,10 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def launch(args: list[str], nproc: int = 1, timeout: int = TIMEOUT_S, env: dict[str, str] | None = None,
-           script: str | None = None) -> subprocess.CompletedProcess:
-    """`graph-trainer <args>` (or `python <script> <args>`) on one process, or under torchrun with `nproc` ranks.
-    A run of the CLI in the tests' own environment is forked by this worker's launcher (zygote.py), which has
-    imported graph_trainer already; any other starts afresh."""
+           script: str | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`graph-trainer <args>` (or `python <script> <args>`) on one process, or under torchrun with `nproc` ranks, in
+    the folder `cwd`. A run of the CLI in the tests' own environment is forked by this worker's launcher (zygote.py),
+    which has imported graph_trainer already; any other starts afresh."""
     program = [script] if script else ["-m", "graph_trainer"]
     if nproc == 1:
         cmd = [sys.executable, *program, *args]
@@ -42,8 +42,8 @@ def launch(args: list[str], nproc: int = 1, timeout: int = TIMEOUT_S, env: dict[
     run_env = env or child_env()
     socket_path = _zygote(run_env) if script is None else None
     if socket_path is not None:
-        return _launch_in_zygote(socket_path, cmd, args, nproc, run_env, timeout)
-    return subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=timeout)
+        return _launch_in_zygote(socket_path, cmd, args, nproc, run_env, timeout, cwd)
+    return subprocess.run(cmd, cwd=cwd, env=run_env, capture_output=True, text=True, timeout=timeout)
 
 
 _ZYGOTE: list[tuple[subprocess.Popen, str | None, dict[str, str]]] = []
@@ -72,7 +72,7 @@ def _imported_with(env: dict[str, str]) -> dict[str, str]:
 
 
 def _launch_in_zygote(path: str, cmd: list[str], args: list[str], nproc: int, env: dict[str, str],
-                      timeout: int) -> subprocess.CompletedProcess:
+                      timeout: int, cwd: Path) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="gt-run-") as folder:
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
         out.touch()
@@ -80,7 +80,7 @@ def _launch_in_zygote(path: str, cmd: list[str], args: list[str], nproc: int, en
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(timeout)
             conn.connect(path)
-            request = {"argv": args, "nproc": nproc, "cwd": str(REPO), "env": env, "stdout": str(out), "stderr": str(err)}
+            request = {"argv": args, "nproc": nproc, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
             conn.sendall(json.dumps(request).encode() + b"\n")
             reply = conn.makefile()
             manager = int(reply.readline())

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 
 import pytest
 
 from graph_trainer.cli import main
 from graph_trainer.compare import parse_run_spec
 from graph_trainer.metrics import read_metrics
-from tests.helpers import REPO, TIMEOUT_S, child_env
+from tests.helpers import launch
 
 STEPS = 5
 WARMUP = 3
@@ -24,10 +22,9 @@ RUNS = ["manual", "auto", "manual:none:no_such_pass", "manual:none:auto_bucketin
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
-    command = [sys.executable, "-m", "graph_trainer", "compare", "--config", "configs/llama3_debug.toml", "--nproc", "2",
-               "--steps", str(STEPS), "--warmup", str(WARMUP), "--out", str(out), "--runs", ",".join(RUNS),
-               "--training.batch_size", "4", "--training.seq_len", "64", "--model.n_layers", "2"]
-    proc = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = launch(["compare", "--config", "configs/llama3_debug.toml", "--nproc", "2", "--steps", str(STEPS), "--warmup", str(WARMUP),
+                   "--out", str(out), "--runs", ",".join(RUNS), "--training.batch_size", "4", "--training.seq_len", "64",
+                   "--model.n_layers", "2"])
     assert (out / "report.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     return out, proc, report, {r["name"]: r for r in report["runs"]}

@@ -17,8 +17,6 @@ from __future__ import annotations
 import math
 import re
 import shlex
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from graph_trainer.config import parse_args
 from graph_trainer.metrics import read_metrics
 from graph_trainer.precompile import fake_job, job_world_size
 from graph_trainer.validate import validate
-from helpers import REPO, TIMEOUT_S, child_env
+from helpers import REPO, launch
 
 SKIPPED = {
     "pip": "installs packages: the test runs inside the installed environment it would build",
@@ -183,8 +181,9 @@ def test_ci_runs_the_readme_install_and_test_commands():
 
 
 def _run(cmd: Command, scratch: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "graph_trainer", *cmd.argv], cwd=scratch, env=child_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    # as `graph-trainer ...` in the scratch folder, started by the tests' launcher (helpers.launch): the same CLI entry
+    # without importing torch again for each command
+    proc = launch(list(cmd.argv), cwd=scratch)
     assert proc.returncode == 0, f"{cmd.text}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     if cmd.argv[0] == "train":
         cfg = parse_args(list(cmd.argv[1:]))

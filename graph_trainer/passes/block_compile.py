@@ -68,27 +68,53 @@ def _describe(val: Any) -> Any:
     return repr(val)
 
 
-def structure(module: fx.GraphModule) -> str:
-    """What must match for two pieces to share one compiled callable: every node's op, target and
-    arguments (values by position), and the shape, stride and dtype of every value it makes."""
-    index: dict[fx.Node, int] = {}
-    lines = []
-    for node in module.graph.nodes:
-        index[node] = len(index)
-        target = node.target
-        if node.op == "placeholder":
-            target = ""
-        elif node.op == "get_attr":
-            attr = getattr(module, node.target)
-            target = attr.code if isinstance(attr, fx.GraphModule) else f"{type(attr).__name__}@{id(attr)}"
-        args = fx.node.map_arg((node.args, node.kwargs), lambda a: _Ref(index[a]))
-        lines.append(repr((node.op, str(target), args, _describe(node.meta.get("val")))))
-    return "\n".join(lines)
+@dataclass
+class PieceSource:
+    """Where a piece comes from in the step's graph: the values it reads (subgraphs, then inputs), its ops in
+    graph order and the ones it hands on. Its graph module is copied from them only when asked for: a step
+    holds a few distinct pieces among hundreds (llama3 8B: 12 of 201), and copying every op of every piece
+    was most of the time cutting the step took."""
+
+    gm: fx.GraphModule
+    subgraphs: list[fx.Node]
+    inputs: list[fx.Node]
+    ops: list[fx.Node]
+    outputs: list[fx.Node]
+
+    def structure(self) -> str:
+        """What must match for two pieces to share one compiled callable: every op's target and arguments
+        (values by position), and the shape, stride and dtype of every value read or made."""
+        index: dict[fx.Node, int] = {}
+        lines = []
+        for node in self.subgraphs:
+            index[node] = len(index)
+            attr = getattr(self.gm, node.target)
+            lines.append(attr.code if isinstance(attr, fx.GraphModule) else f"{type(attr).__name__}@{id(attr)}")
+        for node in self.inputs:
+            index[node] = len(index)
+            lines.append(repr(_describe(node.meta["val"])))
+        for node in self.ops:
+            index[node] = len(index)
+            args = fx.node.map_arg((node.args, node.kwargs), lambda a: _Ref(index[a]))
+            lines.append(repr((node.op, str(node.target), args, _describe(node.meta.get("val")))))
+        lines.append(repr([index[n] for n in self.outputs]))
+        return "\n".join(lines)
+
+    def module(self) -> fx.GraphModule:
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {a: graph.get_attr(a.target) for a in self.subgraphs}
+        for a in self.inputs:
+            env[a] = graph.placeholder(a.name)
+            env[a].meta["val"] = a.meta["val"]
+        for n in self.ops:
+            env[n] = graph.node_copy(n, env.__getitem__)
+        graph.output(tuple(env[n] for n in self.outputs))
+        return LazyGraphModule(self.gm, graph)
 
 
 @dataclass
 class Piece:
-    module: fx.GraphModule
+    source: PieceSource
     inputs: list[int]
     """Slots of the values it reads, in the order of its placeholders."""
     outputs: list[int]
@@ -99,6 +125,14 @@ class Piece:
     """Inputs of collectives this piece waits for, issued by an earlier piece: dropped after it runs."""
     communication: bool = False
     """Every op of it is of a communication run (`_communication_runs`)."""
+    built: fx.GraphModule | None = None
+    """Its graph module: copied from its source when first asked for, or its group's decomposition."""
+
+    @property
+    def module(self) -> fx.GraphModule:
+        if self.built is None:
+            self.built = self.source.module()
+        return self.built
 
 
 def _is_constant(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -242,19 +276,11 @@ def split(gm: fx.GraphModule, starts: list[BlockStart]) -> tuple[list[Piece], li
         outputs = [n for n in piece if n in needed_later]
         for n in outputs:
             slot[n] = len(slot)
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {a: graph.get_attr(a.target) for a in reads if is_subgraph(gm, a)}
-        for a in inputs:
-            env[a] = graph.placeholder(a.name)
-            env[a].meta["val"] = a.meta["val"]
-        for n in piece:
-            env[n] = graph.node_copy(n, env.__getitem__)
-        graph.output(tuple(env[n] for n in outputs))
         frees = [slot[a] for a in inputs if last_read[a] == k and held.get(a, -1) < k]
         releases = [slot[a] for a, until in held.items() if until == k and until >= last_read[a]]
         communication = all(n in runs or n.target is operator.getitem for n in piece)
-        pieces.append(Piece(LazyGraphModule(gm, graph), [slot[a] for a in inputs], [slot[n] for n in outputs], frees, releases,
-                            communication))
+        source = PieceSource(gm, [a for a in reads if is_subgraph(gm, a)], inputs, piece, outputs)
+        pieces.append(Piece(source, [slot[a] for a in inputs], [slot[n] for n in outputs], frees, releases, communication))
     result = fx.node.map_arg(output.args[0], lambda n: _Slot(slot[n]))
     return pieces, [getattr(gm, n.target) for n in constants], result, len(slot)
 
@@ -370,7 +396,7 @@ def plan_pieces(gm: fx.GraphModule, phase: Phase | None = None) -> PiecePlan | N
     pieces, constants, result, slots = found
     groups: dict[str, list[Piece]] = {}
     for piece in pieces:
-        groups.setdefault(structure(piece.module), []).append(piece)
+        groups.setdefault(piece.source.structure(), []).append(piece)
     return PiecePlan(pieces, list(groups.values()), constants, result, slots)
 
 
@@ -416,7 +442,7 @@ def decompose_pieces(plan: PiecePlan, decompose: Callable[[fx.GraphModule], fx.G
         for position, node in enumerate(first.graph.nodes):
             node.meta["custom"] = {**(node.meta.get("custom") or {}), _SOURCE: position}
         result = None if runs_as_fx(members) else decompose(first)
-        groups.append([replace(piece, module=result if result is not None else first) for piece in members])
+        groups.append([replace(piece, built=result if result is not None else first) for piece in members])
     new = {id(old): piece for old_members, members in zip(plan.groups, groups) for old, piece in zip(old_members, members)}
     return PiecePlan([new[id(piece)] for piece in plan.pieces], groups, plan.constants, plan.result, plan.slots)
 
