@@ -22,11 +22,16 @@ needs_meta = pytest.mark.skipif(meta_adapter.auto_parallel_class() is None,
                                 reason=f"Meta's autoparallel is not installed: {META_AUTOPARALLEL_INSTALL}")
 
 STEPS = 10
+RUN = ["--training.steps", str(STEPS), "--metrics.progress_bar", "false"]
+
+
+def _small(n_layers: int) -> list[str]:
+    return ["--training.batch_size", "4", "--training.seq_len", "64", "--model.n_layers", str(n_layers)]
+
+
 # Meta's solver takes minutes per block kind and mesh on a busy 2-core machine: two layers keep it short
-SMALL = ["--training.batch_size", "4", "--training.seq_len", "64", "--model.n_layers", "2"]
-TRAIN = ["--training.steps", str(STEPS), "--metrics.progress_bar", "false", *SMALL]
-# on a dp_shard x tp mesh every rank of four builds Meta's program (2-core machine: 2 layers 200 s, one 176 s)
-ONE_LAYER = [*TRAIN[:-1], "1"]
+SMALL = _small(2)
+TRAIN = [*RUN, *SMALL]
 META = ["--compile.autoparallel", "--compile.autoparallel_impl", "meta"]
 # Meta's graph runs the same fp32 math as SimpleFSDP's but not the same kernels in the same order (it
 # rewrites view-mm-view into einsum, all-reduces replicated gradients where SimpleFSDP reduce-scatters,
@@ -99,7 +104,9 @@ def test_meta_places_two_ranks_under_a_tight_budget_and_trains_like_simple_fsdp(
 def test_meta_places_fsdp_x_tp_on_four_ranks_and_trains(tmp_path):
     """In aot_fx_trace only: aot's own path for Meta's graph (`_forward_graph`) is the two-rank test's,
     and the same four-rank runs in aot took another 4 minutes of the suite on 2 cores."""
-    flags = [*ONE_LAYER, "--compile.mode", "aot_fx_trace", "--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
+    # one layer: on a dp_shard x tp mesh each of the four ranks builds Meta's program (a four-rank run on this 2-core
+    # machine: 200 s with two layers, 176 s with one)
+    flags = [*RUN, *_small(1), "--compile.mode", "aot_fx_trace", "--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
     proc = launch(["train", "--job.dump_folder", str(tmp_path / "meta"), *flags, *META], nproc=4)
     assert proc.returncode == 0, proc.stderr[-5000:]
     # one solve for the job: ranks 1-3 load rank 0's solution
