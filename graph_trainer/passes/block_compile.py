@@ -100,6 +100,11 @@ class PieceSource:
         lines.append(repr([index[n] for n in self.outputs]))
         return "\n".join(lines)
 
+    def nodes(self) -> list[fx.Node]:
+        """Its nodes of the step's graph in the order its module holds their copies (the output left out): a
+        position in one piece's module names the same op in every piece of its group."""
+        return [*self.subgraphs, *self.inputs, *self.ops]
+
     def module(self) -> fx.GraphModule:
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {a: graph.get_attr(a.target) for a in self.subgraphs}
@@ -471,7 +476,8 @@ def stitch(gm: fx.GraphModule, plan: PiecePlan, decomposed: PiecePlan) -> fx.Gra
     attributes: dict[tuple[int, str], str] = {}
     for k, (original, piece) in enumerate(zip(plan.pieces, decomposed.pieces)):
         index, result = group_of[id(piece)], piece.module
-        sources = list(original.module.graph.nodes)
+        # the step's own nodes: copying each piece's module only to read its ops' metadata would undo the lazy copies
+        sources = original.source.nodes()
         values = dict(zip(result.graph.find_nodes(op="placeholder"), (env[i] for i in piece.inputs)))
         for node in result.graph.nodes:
             if node.op == "placeholder":
