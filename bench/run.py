@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -65,6 +66,9 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=0,
                         help="GPUs the multi-GPU suites' configs are for (default: every GPU of this machine; 2 on a CPU)")
     parser.add_argument("--print-commands", action="store_true", help="print every selected run's command line and exit")
+    parser.add_argument("--bytecode-cache", action="store_true",
+                        help="let every run read Python bytecode compiled once, under the runs folder, where the environment "
+                             "forbids writing it (PYTHONDONTWRITEBYTECODE): as a pip-installed machine has it")
     a = parser.parse_args()
     import torch
 
@@ -88,6 +92,10 @@ def main() -> int:
     if a.tiny:
         runs = [tiny(r) for r in runs if r.trainer == "gt"]
     runs_dir = Path(a.runs_dir or tempfile.mkdtemp(prefix="bench-runs-"))
+    if a.bytecode_cache:
+        # the warm-up import before the first run compiles it; every trainer's process (and its workers) reads it
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+        os.environ["PYTHONPYCACHEPREFIX"] = str(runs_dir / "pycache")
     if a.print_commands:
         for r in runs:
             env = " ".join(f"{k}={v}" for k, v in r.env.items())

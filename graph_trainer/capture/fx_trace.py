@@ -33,6 +33,7 @@ from ..regions import BackwardSeqNr, copy_marks_to_backward
 from ..train_step import FunctionalTrainStep, accumulate_grads, named_buffers
 from .registry import CaptureContext
 from .compat import untraced_sharding_propagation
+from .block_template import expand, plan_template, traced_layers
 from .trace_cache import TraceCache
 
 logger = logging.getLogger("graph_trainer")
@@ -76,18 +77,38 @@ def trace_train_step(
     """Trace `step` on fake copies of the given tensors (only shapes, dtypes and strides are read,
     so meta tensors work too) into a flat graph: (*params, *buffers, inputs, labels) -> (loss, *grads).
     A step that also updates the parameters takes its state as `extra` inputs after the batch and
-    returns what it reports instead of the gradients."""
-    n_params, n_state = len(params), len(params) + len(buffers)
+    returns what it reports instead of the gradients.
 
-    def flat_step(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        loss, outs = step(args[:n_params], args[n_params:n_state], args[n_state], args[n_state + 1], *args[n_state + 2 :])
-        return (loss, *outs)
-
+    A model of repeated blocks is traced with its first few blocks and the others' ops are copies
+    (capture/block_template.py); `gm.meta["traced_blocks"]` says how many blocks ran through make_fx."""
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_args = [_fake_like(mode, p, device, True) for p in params]
     fake_args += [_fake_like(mode, b, device, False) for b in buffers]
     fake_args += [_fake_like(mode, inputs, device, False), _fake_like(mode, labels, device, False)]
     fake_args += [_fake_like(mode, e, device, False) for e in extra]
+    plan = plan_template(step.model) if type(step) is FunctionalTrainStep and not extra else None
+    if plan is not None:
+        names = [*(s.fqn for s in step.specs), *step.buffer_names]
+        with traced_layers(step.model, plan):
+            part = FunctionalTrainStep(step.model, step.loss_fn, step.loss_scale)
+            part_names = [*(s.fqn for s in part.specs), *part.buffer_names]
+            index = {fqn: i for i, fqn in enumerate(names)}
+            part_args = [fake_args[index[fqn]] for fqn in part_names] + fake_args[len(names):]
+            template = _trace(part, len(part.specs), len(part_names), part_args, mode)
+        batch: list[str | None] = [None] * (len(fake_args) - len(names))
+        gm = expand(template, plan, [*part_names, *batch], list(zip([*names, *batch], fake_args)), len(step.specs), mode)
+        if gm is not None:
+            gm.meta["traced_blocks"] = plan.traced
+            return gm
+    return _trace(step, len(params), len(params) + len(buffers), fake_args, mode)
+
+
+def _trace(step: FunctionalTrainStep, n_params: int, n_state: int, fake_args: list[torch.Tensor],
+           mode: FakeTensorMode) -> fx.GraphModule:
+    def flat_step(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        loss, outs = step(args[:n_params], args[n_params:n_state], args[n_state], args[n_state + 1], *args[n_state + 2 :])
+        return (loss, *outs)
+
     with _module_stack(step.model) as stack:
         try:
             # preserve_node_meta keeps `node.meta["custom"]` (regions.py's marks) and `seq_nr`;
@@ -107,6 +128,7 @@ def trace_train_step(
                 f"{type(e).__name__}: {first_line}; use --compile.mode eager or jit for this model"
             ) from e
     copy_marks_to_backward(gm)
+    gm.meta["traced_blocks"] = len(getattr(step.model, "layers", ()))
     return gm
 
 
@@ -141,6 +163,7 @@ class TracedStep:
             # a step that must be traced is most likely compiled afresh too: the backend starts its compile workers now
             backend.prepare(cfg, self.ctx.device)
             gm = trace_train_step(self.fn, locals_, self.buffers, inputs, labels, self.ctx.device, extra)
+            self.ctx.stats["traced_blocks"] = gm.meta["traced_blocks"]
         t1 = time.perf_counter()
         outcome = cache.outcome if cache is not None else "off"
         logger.info(f"{'loaded' if outcome == 'hit' else 'traced'} the train step: {len(gm.graph.nodes):,} nodes in {t1 - t0:.1f} s")

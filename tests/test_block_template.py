@@ -1,0 +1,75 @@
+"""The step traced from a few blocks (graph_trainer/capture/block_template.py) is the step traced whole.
+
+Each configuration is traced twice on the fake process group, as `graph-trainer plan` traces it: with the block
+template and with every layer through make_fx. The two graphs must be the same ops, names, arguments and values
+(`graph_fingerprint`), with the same marks, and their values must alias the same way. The bitwise runs of the
+rest of the suite (eager against aot_fx_trace on the 6-layer debug models) train through the template too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from graph_trainer.blocks import node_block
+from graph_trainer.capture import fx_trace
+from graph_trainer.capture.block_template import TemplatePlan, _storage, _tensors, plan_template
+from graph_trainer.capture.fake_trace import trace_on_fake_mesh
+from graph_trainer.compile_cache import graph_fingerprint
+from graph_trainer.config import parse_args
+
+EIGHT = ("--model.n_layers", "8")
+CONFIGS = {
+    "llama3 dp_shard 2": (2, ("--model.name", "llama3", *EIGHT, "--parallelism.dp_shard", "2")),
+    "llama3 dp_shard 2 x tp 2": (4, ("--model.name", "llama3", *EIGHT, "--parallelism.dp_shard", "2", "--parallelism.tp", "2")),
+    "llama3 every 2nd block checkpointed": (2, ("--model.name", "llama3", *EIGHT, "--parallelism.dp_shard", "2",
+                                                "--activation_checkpoint.mode", "selective",
+                                                "--activation_checkpoint.selective_ac_option", "2")),
+    "llama3 full AC, dp_replicate 2": (2, ("--model.name", "llama3", *EIGHT, "--parallelism.dp_replicate", "2",
+                                           "--activation_checkpoint.mode", "full")),
+    "qwen3 dp_shard 2": (2, ("--model.name", "qwen3", *EIGHT, "--parallelism.dp_shard", "2")),
+    "deepseek_v3 dp_shard 2 x ep 2": (4, ("--model.name", "deepseek_v3", *EIGHT, "--parallelism.dp_shard", "2",
+                                          "--parallelism.ep", "2")),
+}
+TRACED = {"llama3 every 2nd block checkpointed": 4, "deepseek_v3 dp_shard 2 x ep 2": 4}
+"""Blocks make_fx runs (3 unless said): alternating checkpointing needs both kinds inside the template, DeepSeek V3's
+first (dense) block differs from its MoE blocks."""
+
+
+def _trace(world: int, flags: tuple[str, ...]):
+    trace = trace_on_fake_mesh(parse_args(["--compile.mode", "aot_fx_trace", *flags]), world)
+    dist.destroy_process_group()
+    return trace
+
+
+def _aliasing(gm) -> list[list[int]]:
+    """Per node and value, the index of the first node whose value holds the same storage."""
+    first: dict[int, int] = {}
+    out = []
+    for i, node in enumerate(gm.graph.nodes):
+        out.append([first.setdefault(_storage(t), i) for t in _tensors(node.meta.get("val"))])
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_step_from_a_few_blocks_is_the_step_traced_whole(name, monkeypatch):
+    world, flags = CONFIGS[name]
+    templated = _trace(world, flags)
+    assert templated.graph.meta["traced_blocks"] == TRACED.get(name, 3)
+    monkeypatch.setattr(fx_trace, "plan_template", lambda model: None)
+    whole = _trace(world, flags)
+    assert whole.graph.meta["traced_blocks"] == 8
+    a, b = templated.graph, whole.graph
+    assert graph_fingerprint(a) == graph_fingerprint(b)
+    assert [n.meta.get("custom") for n in a.graph.nodes] == [n.meta.get("custom") for n in b.graph.nodes]
+    assert {node_block(n) for n in a.graph.nodes} == set(range(8)) | {None}
+    assert _aliasing(a) == _aliasing(b)
+
+
+def test_the_plan_traces_the_fewest_blocks_that_cover_every_layer():
+    trace = _trace(2, ("--model.name", "deepseek_v3", "--model.n_layers", "8", "--parallelism.dp_shard", "2"))
+    # a dense block, then MoE ones: layer 1 repeats traced layer 1 (dense before, MoE after), the MoE interior
+    # layers traced layer 2, the last the last traced
+    assert plan_template(trace.model) == TemplatePlan(tuple(map(str, range(8))), 4, (0, 1, 2, 2, 2, 2, 2, 3))
+    short = _trace(2, ("--model.name", "llama3", "--model.n_layers", "4", "--parallelism.dp_shard", "2"))
+    assert plan_template(short.model) is None and short.graph.meta["traced_blocks"] == 4
