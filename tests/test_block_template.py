@@ -9,10 +9,11 @@ rest of the suite (eager against aot_fx_trace on the 6-layer debug models) train
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from graph_trainer.blocks import node_block
-from graph_trainer.capture import fx_trace
+from graph_trainer.blocks import annotate_blocks, node_block
+from graph_trainer.capture import fake_trace, fx_trace
 from graph_trainer.capture.block_template import TemplatePlan, _storage, _tensors, plan_template
 from graph_trainer.capture.fake_trace import trace_on_fake_mesh
 from graph_trainer.compile_cache import graph_fingerprint
@@ -64,6 +65,32 @@ def test_the_step_from_a_few_blocks_is_the_step_traced_whole(name, monkeypatch):
     assert [n.meta.get("custom") for n in a.graph.nodes] == [n.meta.get("custom") for n in b.graph.nodes]
     assert {node_block(n) for n in a.graph.nodes} == set(range(8)) | {None}
     assert _aliasing(a) == _aliasing(b)
+
+
+def test_a_buffer_nothing_reads_between_blocks_stays_with_its_block(monkeypatch):
+    """On CUDA a checkpointed block's forward ended with an unmarked buffer that nothing reads (llama3 8B, one H200):
+    it reads no layer either, and taken for shared it split the run of forward blocks, so the template was refused.
+    Here a hook after each block makes one (after an op of its own, an unused product, so that no forward op's
+    `seq_nr` gives it the block's marks)."""
+    world, flags = CONFIGS["llama3 dp_shard 2"]
+
+    def dead_buffer(module, args, out):
+        out * 1
+        torch.empty(4, device=out.device)
+
+    def with_dead_buffers(model):
+        model = annotate_blocks(model)
+        for block in model.layers.values():
+            block.register_forward_hook(dead_buffer)
+        return model
+
+    monkeypatch.setattr(fake_trace, "annotate_blocks", with_dead_buffers)
+    templated = _trace(world, flags)
+    assert templated.graph.meta["traced_blocks"] == 3
+    dead = [n for n in templated.graph.graph.nodes if n.target is torch.ops.aten.empty.memory_format and not n.users]
+    assert len(dead) == 8 and all(node_block(n) is None for n in dead)
+    monkeypatch.setattr(fx_trace, "plan_template", lambda model: None)
+    assert graph_fingerprint(templated.graph) == graph_fingerprint(_trace(world, flags).graph)
 
 
 def test_the_plan_traces_the_fewest_blocks_that_cover_every_layer():
