@@ -42,6 +42,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch._prims_common import compute_required_storage_length
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..blocks import BLOCK_KEY, node_block
@@ -273,24 +274,16 @@ def _fake(mode: FakeTensorMode, like: torch.Tensor, storage: torch.UntypedStorag
     return FakeTensor(mode, meta, like.device)
 
 
-def _extent(t: torch.Tensor) -> int:
-    if t.numel() == 0:
-        return 0
-    return (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))) * t.element_size()
-
-
 def _check_aligned(plan: TemplatePlan, runs: dict[int | None, list[fx.Node]], step: int) -> None:
     """A copy reads the neighbour made before it (the previous layer's in forward, the next one's in backward) by
     its ops' positions in the traced neighbour's run: where the neighbour repeats another traced layer than the
     copy's traced neighbour, the two runs must hold the same ops."""
-    def ops(owner: int) -> list[Any]:
-        return [(node.op, node.target) for node in runs.get(owner, ())]
-
+    ops = {owner: [(node.op, node.target) for node in run] for owner, run in runs.items()}
     n = len(plan.names)
     for layer in range(n):
         if 0 <= layer + step < n and plan.source[layer] in runs:
             here, there = plan.source[layer] + step, plan.source[layer + step]
-            if here != there and here in runs and ops(here) != ops(there):
+            if here != there and here in runs and ops[here] != ops.get(there, []):
                 raise _Refused(f"traced layers {here} and {there} differ where layer {plan.names[layer + step]} repeats {there}")
 
 
@@ -319,7 +312,8 @@ def _expand(x: _Expansion, inputs: Sequence[tuple[str | None, torch.Tensor]], pa
         def fresh(t: torch.Tensor) -> torch.Tensor:
             source, index = x.storage_owner[_storage(t)]
             if source is node:
-                if t.storage_offset() == 0 and t.untyped_storage().nbytes() == _extent(t):
+                extent = compute_required_storage_length(t.shape, t.stride(), 0) * t.element_size()
+                if t.storage_offset() == 0 and t.untyped_storage().nbytes() == extent:
                     return _fake(mode, t)
                 raw = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8, device="meta")
                 return _fake(mode, t, raw.untyped_storage())
