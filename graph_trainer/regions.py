@@ -83,18 +83,32 @@ def _leave_backward(grad_inputs: Any, grad_outputs: Any) -> None:
     fx_traceback.reset_grad_fn_seq_nr()
 
 
+OUTSIDE_GRAD_FN = -2
+"""The `seq_nr` of a backward op that no autograd node records (the engine's sums of the gradients that reach one
+value, the initial `ones_like`): no forward op has it (theirs are the thread's node count less one, at least -1).
+Without it make_fx gives such an op the running thread's node count, and on CUDA autograd runs the backward on
+its device thread, whose count starts again at 0: the sums took the marks of block 0's attention (llama3 70B,
+full AC, one H200; bench/results/2026-11-29-session16)."""
+
+
 class BackwardSeqNr(TorchFunctionMode):
     """While a train step is traced (under `preserve_node_meta`): each op that `torch.autograd.grad`
     records gets the `seq_nr` of the forward op it differentiates, as AOTAutograd arranges for its
-    joint graph. Without it make_fx numbers backward ops apart from forward ones."""
+    joint graph, and one that no node records gets `OUTSIDE_GRAD_FN`. Without it make_fx numbers
+    backward ops apart from forward ones."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.autograd.grad:
-            for node in _autograd_nodes(kwargs["outputs"] if "outputs" in kwargs else args[0]):
-                node.register_prehook(_enter_backward_of(node._sequence_nr()))
-                node.register_hook(_leave_backward)
-        return func(*args, **kwargs)
+        if func is not torch.autograd.grad:
+            return func(*args, **kwargs)
+        for node in _autograd_nodes(kwargs["outputs"] if "outputs" in kwargs else args[0]):
+            node.register_prehook(_enter_backward_of(node._sequence_nr()))
+            node.register_hook(_leave_backward)
+        fx_traceback.set_grad_fn_seq_nr(OUTSIDE_GRAD_FN)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            fx_traceback.reset_grad_fn_seq_nr()
 
 
 def ancestors(node: fx.Node) -> set[fx.Node]:

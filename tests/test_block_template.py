@@ -11,13 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.attention import flex_attention
 
 from graph_trainer.blocks import annotate_blocks, node_block
+from graph_trainer.capture.optimizer_in_graph import AdamWHyper, ClipAndAdamWStep
 from graph_trainer.capture import fake_trace, fx_trace
 from graph_trainer.capture.block_template import TemplatePlan, _storage, _tensors, plan_template
 from graph_trainer.capture.fake_trace import trace_on_fake_mesh
 from graph_trainer.compile_cache import graph_fingerprint
 from graph_trainer.config import parse_args
+from graph_trainer.losses import cross_entropy
+from graph_trainer.train_step import FunctionalTrainStep, named_buffers
 
 EIGHT = ("--model.n_layers", "8")
 CONFIGS = {
@@ -31,8 +35,12 @@ CONFIGS = {
     "qwen3 dp_shard 2": (2, ("--model.name", "qwen3", *EIGHT, "--parallelism.dp_shard", "2")),
     "deepseek_v3 dp_shard 2 x ep 2": (4, ("--model.name", "deepseek_v3", *EIGHT, "--parallelism.dp_shard", "2",
                                           "--parallelism.ep", "2")),
+    "llama3 FlexAttention": (2, ("--model.name", "llama3", "--model.flavor", "debugmodel_flex_attn", *EIGHT,
+                                 "--parallelism.dp_shard", "2")),
+    "deepseek_v3 FlexAttention dp_shard 2 x ep 2": (4, ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_flex_attn",
+                                                        *EIGHT, "--parallelism.dp_shard", "2", "--parallelism.ep", "2")),
 }
-TRACED = {"llama3 every 2nd block checkpointed": 4, "deepseek_v3 dp_shard 2 x ep 2": 4}
+TRACED = {"llama3 every 2nd block checkpointed": 4, "deepseek_v3 dp_shard 2 x ep 2": 4, "deepseek_v3 FlexAttention dp_shard 2 x ep 2": 4}
 """Blocks make_fx runs (3 unless said): alternating checkpointing needs both kinds inside the template, DeepSeek V3's
 first (dense) block differs from its MoE blocks."""
 
@@ -54,7 +62,11 @@ def _aliasing(gm) -> list[list[int]]:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_the_step_from_a_few_blocks_is_the_step_traced_whole(name, monkeypatch):
+    """With FlexAttention each layer's call registers its own score and mask functions (`sdpa_score<k>`), which the
+    copies must number as a whole trace does (DeepSeek V3 16B was traced whole on CUDA for lack of it)."""
     world, flags = CONFIGS[name]
+    # FlexAttention has no backward kernel on CPU; a trace on fake tensors runs none
+    monkeypatch.setattr(flex_attention, "_validate_device", lambda query, key, value: None)
     templated = _trace(world, flags)
     assert templated.graph.meta["traced_blocks"] == TRACED.get(name, 3)
     monkeypatch.setattr(fx_trace, "plan_template", lambda model: None)
@@ -65,6 +77,38 @@ def test_the_step_from_a_few_blocks_is_the_step_traced_whole(name, monkeypatch):
     assert [n.meta.get("custom") for n in a.graph.nodes] == [n.meta.get("custom") for n in b.graph.nodes]
     assert {node_block(n) for n in a.graph.nodes} == set(range(8)) | {None}
     assert _aliasing(a) == _aliasing(b)
+
+
+def _optimizer_step_trace(world: int, flags: tuple[str, ...]):
+    """The step of `--compile.optimizer_in_graph` (clipping and AdamW after the backward) of the model as
+    `_trace` places it, traced as the trainer traces it."""
+    cfg = parse_args(["--compile.mode", "aot_fx_trace", *flags])
+    model = trace_on_fake_mesh(cfg, world).model
+    try:
+        fn = FunctionalTrainStep(model, cross_entropy)
+        step = ClipAndAdamWStep(fn, AdamWHyper(0.9, 0.95, 1e-8, 0.1, 1.0), cfg.parallelism.ep > 1)
+        params = [p.to_local() for p in model.parameters() if p.requires_grad]
+        _, buffers = named_buffers(model)
+        tokens = torch.empty(1, cfg.training.seq_len, dtype=torch.long, device="meta")
+        scalar = torch.empty((), dtype=torch.float64, device="meta")
+        return fx_trace.trace_train_step(step, params, buffers, tokens, tokens, torch.device("cpu"), [*params, *params, scalar, scalar])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["llama3 dp_shard 2", "deepseek_v3 dp_shard 2 x ep 2"])
+def test_the_in_graph_optimizer_step_from_a_few_blocks_is_the_step_traced_whole(name, monkeypatch):
+    """Its update (capture/update_tail.py) is traced apart and appended to the expanded step."""
+    world, flags = CONFIGS[name]
+    templated = _optimizer_step_trace(world, flags)
+    assert templated.meta["traced_blocks"] == TRACED.get(name, 3)
+    monkeypatch.setattr(fx_trace, "plan_template", lambda model: None)
+    whole = _optimizer_step_trace(world, flags)
+    assert whole.meta["traced_blocks"] == 8
+    assert any(n.target is torch.ops.aten.copy_.default for n in templated.graph.nodes)
+    assert graph_fingerprint(templated) == graph_fingerprint(whole)
+    assert [n.meta.get("custom") for n in templated.graph.nodes] == [n.meta.get("custom") for n in whole.graph.nodes]
+    assert _aliasing(templated) == _aliasing(whole)
 
 
 def test_a_buffer_nothing_reads_between_blocks_stays_with_its_block(monkeypatch):

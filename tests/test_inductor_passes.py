@@ -22,7 +22,7 @@ from graph_trainer.graph_dump import GraphDumper
 from graph_trainer.passes.compat import select_decomp_table
 from graph_trainer.passes.inductor import full_inductor_compilation, inductor_decomposition, regional_inductor_pass
 from graph_trainer.passes.registry import Compiled, PassContext, apply_passes
-from graph_trainer.regions import REGION_KEY, BackwardSeqNr, annotate_regions, copy_marks_to_backward
+from graph_trainer.regions import REGION_KEY, BackwardSeqNr, ancestors, annotate_regions, copy_marks_to_backward, region_tag
 
 DIM = 16
 
@@ -274,3 +274,27 @@ def test_full_inductor_in_aot_and_jit_trains_like_eager(mode):
     joint = ["joint", "joint_reshard_after_forward"] if mode == "aot" else ["joint_reshard_after_forward"]
     expected = joint + [f"{g}{p}" for g in ("forward", "backward") for p in ("", *(f"_{q}" for q in passes))]
     assert stages == expected
+
+
+def test_gradient_sums_take_no_forward_marks():
+    """The engine's sum of the two gradients reaching `h` runs in no autograd node: it must not take the marks of
+    whichever forward op shares the running thread's node count (on CPU the loss's, inside the region here; on
+    CUDA, where the count of autograd's device thread starts at 0, block 0's)."""
+    from torch.fx.traceback import annotate
+
+    def step(w, x):
+        with annotate(region_tag("feed_forward")):
+            h = x * w
+            loss = (h + h.tanh()).sum()
+        return (loss.detach(), *torch.autograd.grad(loss, [w]))
+
+    mode = FakeTensorMode()
+    fake = [mode.from_tensor(torch.randn(4, DIM)).requires_grad_(), mode.from_tensor(torch.randn(4, DIM))]
+    with mode, fx_traceback.preserve_node_meta(), BackwardSeqNr():
+        gm = make_fx(step, tracing_mode="real")(*fake)
+    copy_marks_to_backward(gm)
+    forward = ancestors(next(n for n in gm.graph.nodes if n.op == "output").args[0][0])
+    sums = [n for n in gm.graph.nodes if n.target == torch.ops.aten.add.Tensor and n not in forward]
+    assert len(sums) == 1 and REGION_KEY not in (sums[0].meta.get("custom") or {})
+    tanh_backward = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.tanh_backward.default)
+    assert REGION_KEY in tanh_backward.meta["custom"]

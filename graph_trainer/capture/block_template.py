@@ -23,7 +23,7 @@ run, and consecutive runs of consecutive traced layers a group: in layer order (
 parameter casts) or in reverse (the backward). Each model layer gets a copy of its traced layer's run in each group,
 in the group's order; shared runs are copied once. A copy reads its neighbour's ops by position, so where a
 neighbour repeats another traced layer than the template's neighbour the two runs must hold the same ops. Anything
-else (an op reading layers that are not neighbours, a constant one layer owns, runs that do not line up) means the
+else (an op reading layers that are not neighbours, runs that do not line up) means the
 model does not fit: `expand` returns None and the step is traced whole.
 
 Copies get fresh fake values of the template's shapes, strides and dtypes, aliasing what the template's values
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from typing import Any, Iterator, Sequence
 
@@ -159,12 +160,12 @@ class _Expansion:
         for node in self.ops:
             self.owner[node] = previous = self._own(node, previous)
         # an op that reads nothing belongs to the one layer whose ops read it (the buffer a transposed gradient is
-        # laid out in, one per layer), or where nothing reads it (a checkpointed block's unused buffer, on CUDA) to the
-        # layer of the op before it
+        # laid out in, one per layer; a FlexAttention call's score and mask functions), or where nothing reads it (a
+        # checkpointed block's unused buffer, on CUDA) to the layer of the op before it
         previous = None
         for node in self.ops:
             users = {self.owner[u] for u in node.users if u.op != "output"}
-            if node.op == "call_function" and not node.all_input_nodes:
+            if node.op in ("call_function", "get_attr") and not node.all_input_nodes:
                 if len(users) == 1 and None not in users:
                     self.owner[node] = users.pop()
                 elif not node.users:
@@ -189,8 +190,6 @@ class _Expansion:
             if max(inputs) - min(inputs) > 1 or len(inputs) > 2 or previous not in inputs:
                 raise _Refused(f"{node.name} reads layers {sorted(inputs)}")
             return previous
-        if inputs and node.op == "get_attr":
-            raise _Refused(f"{node.name} is a constant of one layer")
         return next(iter(inputs), None)
 
     def groups(self) -> list[tuple[int, dict[int | None, list[fx.Node]]]]:
@@ -274,11 +273,50 @@ def _fake(mode: FakeTensorMode, like: torch.Tensor, storage: torch.UntypedStorag
     return FakeTensor(mode, meta, like.device)
 
 
+def _attr_prefix(target: str) -> str:
+    """The name make_fx numbers an attribute of the traced module after (`sdpa_score` for `sdpa_score12`: each
+    FlexAttention call registers its score and mask functions under the next free number, `get_fresh_qualname`)."""
+    return target.rstrip("0123456789")
+
+
+def _op(node: fx.Node) -> tuple[str, Any]:
+    """What a node runs, the same for a traced layer's op and its copies (whose attributes are numbered anew)."""
+    return (node.op, _attr_prefix(node.target) if node.op == "get_attr" else node.target)
+
+
+class _Attributes:
+    """The expanded step's module attributes (subgraphs, constants), numbered per prefix in graph order as make_fx
+    numbers them while it traces every layer: a copy of a layer's FlexAttention call gets its own `sdpa_score<k>`,
+    holding the traced call's module."""
+
+    def __init__(self, source: fx.GraphModule):
+        self.source, self.root, self.count = source, nn.Module(), {}
+
+    def take(self, target: str) -> str:
+        value = functools.reduce(getattr, target.split("."), self.source)
+        prefix = _attr_prefix(target)
+        k = self.count.get(prefix, 0)
+        self.count[prefix] = k + 1
+        name = f"{prefix}{k}"
+        if isinstance(value, nn.Module):
+            self.root.add_module(name, value)
+        else:
+            setattr(self.root, name, value)
+        return name
+
+
+def make_fx_name(graph: fx.Graph, target: Any) -> str | None:
+    """The name make_fx gives a node of `target` (after an op's packet: `view`, not `view_default`; None: fx's own),
+    so that a graph built from copies, names included, is the one a trace gives, and so are the compile cache's
+    keys."""
+    return graph._target_to_str(target.overloadpacket.__name__) if isinstance(target, torch._ops.OpOverload) else None
+
+
 def _check_aligned(plan: TemplatePlan, runs: dict[int | None, list[fx.Node]], step: int) -> None:
     """A copy reads the neighbour made before it (the previous layer's in forward, the next one's in backward) by
     its ops' positions in the traced neighbour's run: where the neighbour repeats another traced layer than the
     copy's traced neighbour, the two runs must hold the same ops."""
-    ops = {owner: [(node.op, node.target) for node in run] for owner, run in runs.items()}
+    ops = {owner: [_op(node) for node in run] for owner, run in runs.items()}
     n = len(plan.names)
     for layer in range(n):
         if 0 <= layer + step < n and plan.source[layer] in runs:
@@ -293,6 +331,7 @@ def _expand(x: _Expansion, inputs: Sequence[tuple[str | None, torch.Tensor]], pa
     graph = fx.Graph()
     graph._codegen = x.gm.graph._codegen
     shared: dict[fx.Node, fx.Node] = {}
+    attributes = _Attributes(x.gm)
     # per model layer: its copies, by the traced node's place (group, position in its run) or input name
     layer_env: list[dict[Any, fx.Node]] = [{} for _ in range(n)]
     place: dict[fx.Node, tuple[int, int]] = {}
@@ -304,7 +343,7 @@ def _expand(x: _Expansion, inputs: Sequence[tuple[str | None, torch.Tensor]], pa
         q = layer + x.owner[a] - owner
         key = ("input", x.suffix[a]) if a.op == "placeholder" else place.get(a)
         found = layer_env[q].get(key) if 0 <= q < n else None
-        if found is None or found.op != a.op or a.op != "placeholder" and found.target != a.target:
+        if found is None or _op(found) != (_op(a) if a.op != "placeholder" else (a.op, found.target)):
             raise _Refused(f"layer {plan.names[layer]}'s copy of {a.name} has no counterpart in layer {q}")
         return found
 
@@ -325,10 +364,9 @@ def _expand(x: _Expansion, inputs: Sequence[tuple[str | None, torch.Tensor]], pa
     def copy(node: fx.Node, layer: int | None, owner: int | None) -> fx.Node:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs),
                                        lambda a: shared[a] if layer is None else lookup(a, layer, owner))
-        # named as make_fx names its nodes (after the op's packet: `view`, not `view_default`), so the graph, names
-        # included, is the one a trace of every layer gives, and so are the compile cache's keys
-        name = graph._target_to_str(node.target.overloadpacket.__name__) if isinstance(node.target, torch._ops.OpOverload) else None
-        new = graph.create_node(node.op, node.target, args, kwargs, name)
+        name = make_fx_name(graph, node.target)
+        target = attributes.take(node.target) if node.op == "get_attr" else node.target
+        new = graph.create_node(node.op, target, args, kwargs, name)
         new.meta = dict(node.meta)
         if layer is not None:
             new.meta["val"] = value(node, layer, owner)
@@ -399,4 +437,4 @@ def _expand(x: _Expansion, inputs: Sequence[tuple[str | None, torch.Tensor]], pa
     out = graph.output(type(x.output.args[0])(outputs))
     out.meta = dict(x.output.meta)
     # lazy as make_fx's module: its code is written when first called or printed, not at every pass's recompile
-    return LazyGraphModule(x.gm, graph)
+    return LazyGraphModule(attributes.root, graph)

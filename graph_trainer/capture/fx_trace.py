@@ -35,6 +35,7 @@ from .registry import CaptureContext
 from .compat import untraced_sharding_propagation
 from .block_template import expand, plan_template, traced_layers
 from .trace_cache import TraceCache
+from .update_tail import append_update
 
 logger = logging.getLogger("graph_trainer")
 
@@ -80,23 +81,29 @@ def trace_train_step(
     returns what it reports instead of the gradients.
 
     A model of repeated blocks is traced with its first few blocks and the others' ops are copies
-    (capture/block_template.py); `gm.meta["traced_blocks"]` says how many blocks ran through make_fx."""
+    (capture/block_template.py); a step that updates (its forward, loss and backward are `step.fn`) gets its
+    update traced apart and appended (capture/update_tail.py). `gm.meta["traced_blocks"]` says how many blocks
+    ran through make_fx."""
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_args = [_fake_like(mode, p, device, True) for p in params]
     fake_args += [_fake_like(mode, b, device, False) for b in buffers]
     fake_args += [_fake_like(mode, inputs, device, False), _fake_like(mode, labels, device, False)]
     fake_args += [_fake_like(mode, e, device, False) for e in extra]
-    plan = plan_template(step.model) if type(step) is FunctionalTrainStep and not extra else None
+    train = step.fn if extra else step
+    plan = plan_template(train.model) if type(train) is FunctionalTrainStep else None
     if plan is not None:
-        names = [*(s.fqn for s in step.specs), *step.buffer_names]
-        with traced_layers(step.model, plan):
-            part = FunctionalTrainStep(step.model, step.loss_fn, step.loss_scale)
+        names = [*(s.fqn for s in train.specs), *train.buffer_names]
+        step_args = fake_args[: len(names) + 2]
+        with traced_layers(train.model, plan):
+            part = FunctionalTrainStep(train.model, train.loss_fn, train.loss_scale)
             part_names = [*(s.fqn for s in part.specs), *part.buffer_names]
             index = {fqn: i for i, fqn in enumerate(names)}
-            part_args = [fake_args[index[fqn]] for fqn in part_names] + fake_args[len(names):]
+            part_args = [step_args[index[fqn]] for fqn in part_names] + step_args[len(names):]
             template = _trace(part, len(part.specs), len(part_names), part_args, mode)
-        batch: list[str | None] = [None] * (len(fake_args) - len(names))
-        gm = expand(template, plan, [*part_names, *batch], list(zip([*names, *batch], fake_args)), len(step.specs), mode)
+        batch: list[str | None] = [None, None]
+        gm = expand(template, plan, [*part_names, *batch], list(zip([*names, *batch], step_args)), len(train.specs), mode)
+        if gm is not None and extra:
+            gm = append_update(gm, step.update, fake_args, len(params), mode)
         if gm is not None:
             gm.meta["traced_blocks"] = plan.traced
             return gm

@@ -97,9 +97,14 @@ class ClipAndAdamWStep:
 
     def __call__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], inputs: torch.Tensor,
                  labels: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        loss, grads = self.fn(params, buffers, inputs, labels)
+        return self.update(params, loss, grads, *state)
+
+    def update(self, params: Sequence[torch.Tensor], loss: torch.Tensor, grads: Sequence[torch.Tensor],
+               *state: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """What follows `fn` (traced apart where the step's blocks are traced from a few: capture/update_tail.py)."""
         n = len(params)
         exp_avgs, exp_avg_sqs, (lr, step) = state[:n], state[n : 2 * n], state[2 * n :]
-        loss, grads = self.fn(params, buffers, inputs, labels)
         with torch.no_grad():
             grads = [g.to(p.dtype) for g, p in zip(grads, params)]
             # As the eager step clips (clipping.py).
