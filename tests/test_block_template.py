@@ -16,7 +16,7 @@ from torch.nn.attention import flex_attention
 from graph_trainer.blocks import annotate_blocks, node_block
 from graph_trainer.capture.optimizer_in_graph import AdamWHyper, ClipAndAdamWStep
 from graph_trainer.capture import fake_trace, fx_trace
-from graph_trainer.capture.block_template import TemplatePlan, _storage, _tensors, plan_template
+from graph_trainer.capture.block_template import TemplatePlan, storage_of, tensors_of, plan_template
 from graph_trainer.capture.fake_trace import trace_on_fake_mesh
 from graph_trainer.compile_cache import graph_fingerprint
 from graph_trainer.config import parse_args
@@ -56,7 +56,7 @@ def _aliasing(gm) -> list[list[int]]:
     first: dict[int, int] = {}
     out = []
     for i, node in enumerate(gm.graph.nodes):
-        out.append([first.setdefault(_storage(t), i) for t in _tensors(node.meta.get("val"))])
+        out.append([first.setdefault(storage_of(t), i) for t in tensors_of(node.meta.get("val"))])
     return out
 
 

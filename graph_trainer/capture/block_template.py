@@ -130,11 +130,11 @@ class _Refused(Exception):
     """The template does not have the shape `expand` relies on."""
 
 
-def _storage(t: torch.Tensor) -> int:
+def storage_of(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _tensors(val: Any) -> list[torch.Tensor]:
+def tensors_of(val: Any) -> list[torch.Tensor]:
     return [v for v in pytree.tree_leaves(val) if isinstance(v, torch.Tensor)]
 
 
@@ -174,8 +174,8 @@ class _Expansion:
         # the first node whose value holds each storage: a copy of a later view aliases that node's copy
         self.storage_owner: dict[int, tuple[fx.Node, int]] = {}
         for node in nodes:
-            for i, t in enumerate(_tensors(node.meta.get("val"))):
-                self.storage_owner.setdefault(_storage(t), (node, i))
+            for i, t in enumerate(tensors_of(node.meta.get("val"))):
+                self.storage_owner.setdefault(storage_of(t), (node, i))
 
     def _own(self, node: fx.Node, previous: int | None) -> int | None:
         inputs = {self.owner[a] for a in node.all_input_nodes} - {None}
@@ -262,7 +262,7 @@ def expand(gm: fx.GraphModule, plan: TemplatePlan, template_inputs: Sequence[str
         return None
 
 
-def _fake(mode: FakeTensorMode, like: torch.Tensor, storage: torch.UntypedStorage | None = None) -> FakeTensor:
+def fake_on(mode: FakeTensorMode, like: torch.Tensor, storage: torch.UntypedStorage | None = None) -> FakeTensor:
     """A fake tensor of `like`'s dtype, shape and stride on `storage` at `like`'s offset (on storage of its own
     if None), made on the meta device and wrapped: dispatching the factory through the fake mode took 9 of the
     11 s of llama3 8B's expansion (CPU, profiled)."""
@@ -349,15 +349,15 @@ def _expand(x: _Expansion, inputs: Sequence[tuple[str | None, torch.Tensor]], pa
 
     def value(node: fx.Node, layer: int, owner: int) -> Any:
         def fresh(t: torch.Tensor) -> torch.Tensor:
-            source, index = x.storage_owner[_storage(t)]
+            source, index = x.storage_owner[storage_of(t)]
             if source is node:
                 extent = compute_required_storage_length(t.shape, t.stride(), 0) * t.element_size()
                 if t.storage_offset() == 0 and t.untyped_storage().nbytes() == extent:
-                    return _fake(mode, t)
+                    return fake_on(mode, t)
                 raw = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8, device="meta")
-                return _fake(mode, t, raw.untyped_storage())
+                return fake_on(mode, t, raw.untyped_storage())
             counterpart = shared[source] if x.owner[source] is None else lookup(source, layer, owner)
-            return _fake(mode, t, _tensors(counterpart.meta["val"])[index].untyped_storage())
+            return fake_on(mode, t, tensors_of(counterpart.meta["val"])[index].untyped_storage())
 
         return pytree.tree_map_only(torch.Tensor, fresh, node.meta.get("val"))
 

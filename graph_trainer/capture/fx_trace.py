@@ -103,7 +103,7 @@ def trace_train_step(
         batch: list[str | None] = [None, None]
         gm = expand(template, plan, [*part_names, *batch], list(zip([*names, *batch], step_args)), len(train.specs), mode)
         if gm is not None and extra:
-            gm = append_update(gm, step.update, fake_args, len(params), mode)
+            gm = append_update(gm, step, fake_args, len(params), mode)
         if gm is not None:
             gm.meta["traced_blocks"] = plan.traced
             return gm

@@ -102,21 +102,38 @@ class ClipAndAdamWStep:
 
     def update(self, params: Sequence[torch.Tensor], loss: torch.Tensor, grads: Sequence[torch.Tensor],
                *state: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """What follows `fn` (traced apart where the step's blocks are traced from a few: capture/update_tail.py)."""
+        """What follows `fn`: `head`, then `update_one` per parameter in `order` (traced so, part by part, where the
+        step's blocks are traced from a few: capture/update_tail.py)."""
         n = len(params)
         exp_avgs, exp_avg_sqs, (lr, step) = state[:n], state[n : 2 * n], state[2 * n :]
         with torch.no_grad():
-            grads = [g.to(p.dtype) for g, p in zip(grads, params)]
-            # As the eager step clips (clipping.py).
-            grad_norm = total_norm([s.wrap(g) for s, g in zip(self.specs, grads)], self.ep_enabled)
-            coef = clip_coefficient(grad_norm, self.hyper.max_norm)
-            scalars = step_scalars(lr, step, {p.dtype for p in params}, self.hyper)
-            for i in sorted(range(n), key=lambda i: (params[i].numel() * params[i].element_size(), i)):
-                targets = (params[i], exp_avgs[i], exp_avg_sqs[i])
-                with annotate({UPDATE_KEY: i}):
-                    for target, value in zip(targets, adamw_update(params[i], grads[i] * coef, *targets[1:], scalars, self.hyper)):
-                        target.copy_(value)
+            grads, grad_norm, coef, s = self.head(params, grads, lr, step)
+            for i in self.order(params):
+                self.update_one(i, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], coef, s.decay, s.bias_correction2_sqrt,
+                                s.step_size[params[i].dtype])
         return loss, [grad_norm]
+
+    def head(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], lr: torch.Tensor,
+             step: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, StepScalars]:
+        """(the gradients in their parameters' dtypes, the total norm, the clip coefficient, the step's scalars)"""
+        grads = [g.to(p.dtype) for g, p in zip(grads, params)]
+        # As the eager step clips (clipping.py).
+        grad_norm = total_norm([s.wrap(g) for s, g in zip(self.specs, grads)], self.ep_enabled)
+        coef = clip_coefficient(grad_norm, self.hyper.max_norm)
+        return grads, grad_norm, coef, step_scalars(lr, step, {p.dtype for p in params}, self.hyper)
+
+    @staticmethod
+    def order(params: Sequence[torch.Tensor]) -> list[int]:
+        return sorted(range(len(params)), key=lambda i: (params[i].numel() * params[i].element_size(), i))
+
+    def update_one(self, i: int, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                   coef: torch.Tensor, decay: torch.Tensor, bias_correction2_sqrt: torch.Tensor, step_size: torch.Tensor) -> None:
+        """Clip, update and write back parameter `i` and its moments (`step_size`: the step's, in the parameter's dtype)."""
+        targets = (param, exp_avg, exp_avg_sq)
+        scalars = StepScalars(decay, bias_correction2_sqrt, {param.dtype: step_size})
+        with annotate({UPDATE_KEY: i}):
+            for target, value in zip(targets, adamw_update(param, grad * coef, exp_avg, exp_avg_sq, scalars, self.hyper)):
+                target.copy_(value)
 
 
 def _adamw(optimizers: Any) -> torch.optim.Optimizer:
