@@ -23,8 +23,8 @@ run, and consecutive runs of consecutive traced layers a group: in layer order (
 parameter casts) or in reverse (the backward). Each model layer gets a copy of its traced layer's run in each group,
 in the group's order; shared runs are copied once. A copy reads its neighbour's ops by position, so where a
 neighbour repeats another traced layer than the template's neighbour the two runs must hold the same ops. Anything
-else (an op reading layers that are not neighbours, runs that do not line up) means the
-model does not fit: `expand` returns None and the step is traced whole.
+else (an op reading layers that are not neighbours, runs that do not line up) means the model does not fit: `expand`
+returns None and the step is traced whole.
 
 Copies get fresh fake values of the template's shapes, strides and dtypes, aliasing what the template's values
 alias (a view of a parameter shard, a saved activation), so that passes which reason about storage (liveness,
@@ -343,7 +343,7 @@ def _expand(x: _Expansion, inputs: Sequence[tuple[str | None, torch.Tensor]], pa
         q = layer + x.owner[a] - owner
         key = ("input", x.suffix[a]) if a.op == "placeholder" else place.get(a)
         found = layer_env[q].get(key) if 0 <= q < n else None
-        if found is None or _op(found) != (_op(a) if a.op != "placeholder" else (a.op, found.target)):
+        if found is None or found.op != a.op or a.op != "placeholder" and _op(found) != _op(a):
             raise _Refused(f"layer {plan.names[layer]}'s copy of {a.name} has no counterpart in layer {q}")
         return found
 
