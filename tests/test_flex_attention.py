@@ -1,17 +1,30 @@
 """llama3 `debugmodel_flex_attn`: the model builds its document (block-causal) BlockMask from the tokens
 of each call, so eager runs and a traced graph mask each batch by its own document boundaries.
 
-FlexAttention has no backward on CPU: these tests run forward only; training this flavor (eager,
+FlexAttention has no backward on CPU: these tests run forward only, or trace the step on fake tensors (its
+score and mask functions as subgraphs of the step's pieces, passes/block_compile.py); training this flavor (eager,
 aot_fx_trace, regional_inductor) is measured on the GPU by bench/run.py.
 """
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
+import torch.distributed as dist
+from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.attention import flex_attention
 
-from graph_trainer import models
+from test_block_compile import counting_fx_compile
+
+from graph_trainer import graph_pickle, models
+from graph_trainer.capture.fake_trace import trace_on_fake_mesh
+from graph_trainer.config import parse_args
+from graph_trainer.passes import block_compile, compile_workers, inductor
+from graph_trainer.passes.block_compile import plan_pieces
+from graph_trainer.passes.registry import PassContext
 
 EOS = 1
 SEQ = 128
@@ -178,3 +191,74 @@ def test_full_inductor_gets_the_mask_as_inputs_built_by_a_prologue(flex_and_sdpa
     assert token_inputs and all(token_inputs & set(n.all_input_nodes) for n in hops)
     args = [*state.values(), _tokens(4, 20)]
     torch.testing.assert_close(main(*args, *prologue(*args)), gm(*args), rtol=0, atol=0)
+
+
+FLEX = {
+    "llama3 dp_shard 2": (2, ("--model.name", "llama3", "--parallelism.dp_shard", "2")),
+    "deepseek_v3 dp_shard 2 x ep 2": (4, ("--model.name", "deepseek_v3", "--parallelism.dp_shard", "2", "--parallelism.ep", "2")),
+}
+
+
+def _flex_step(world: int, flags: tuple[str, ...], monkeypatch) -> tuple[fx.GraphModule, PassContext]:
+    """A 4-layer FlexAttention model's train step traced on the fake process group, as `graph-trainer plan` traces it."""
+    # FlexAttention has no backward kernel on CPU; a trace on fake tensors runs none
+    monkeypatch.setattr(flex_attention, "_validate_device", lambda query, key, value: None)
+    cfg = parse_args(["--compile.mode", "aot_fx_trace", "--compile.inductor_compilation", "full", "--compile.cache_dir", "",
+                      "--model.flavor", "debugmodel_flex_attn", "--model.n_layers", "4", *flags])
+    trace = trace_on_fake_mesh(cfg, world)
+    dist.destroy_process_group()
+    return trace.graph, PassContext(cfg=cfg, meshes=trace.meshes, device=torch.device("cpu"))
+
+
+def _ops_and_marks(gm: fx.GraphModule) -> list[tuple]:
+    """Each node's op, target and mark, but the ops nothing reads (no piece holds them); a subgraph by its code (a
+    piece's copy is named `_piece<k>_sdpa_score0`)."""
+    unread = block_compile.unread_ops(gm)
+    return [(n.op, getattr(gm, n.target).code if n.op == "get_attr" else str(n.target), n.meta.get("custom"))
+            for n in gm.graph.nodes if n not in unread]
+
+
+@pytest.mark.parametrize("name", list(FLEX))
+def test_a_flex_attention_step_is_decomposed_by_pieces_into_the_whole_decomposition(name, monkeypatch):
+    """FlexAttention's score and mask functions are subgraphs the pieces read (forward's `sdpa_score<k>`,
+    backward's `fw_graph<k>`, ...): each distinct piece is decomposed with its own copy of them, and the stitched
+    step is the whole decomposition op for op (but the few ops nothing reads, which `create_block_mask` leaves),
+    each op with its own block's mark. The ops that build the masks
+    from the token ids are pieces of their own, run as FX (compiled, DeepSeek V3 16B's took 71 s on a GPU), so
+    no compiled piece builds a mask it reads (Inductor on torch 2.11 cannot compile that: `split_mask_prologue`)."""
+    gm, ctx = _flex_step(*FLEX[name], monkeypatch)
+    masks = block_compile.flex_attention_masks(gm)
+    plan = plan_pieces(gm)
+    mask_groups = [members for members in plan.groups if members[0].builds_masks]
+    built = {n for members in mask_groups for p in members for n in p.source.ops}
+    assert {n for n in built if n.target is not operator.getitem} == {n for n in masks if n.target is not operator.getitem}
+    assert len(masks) > 10
+    assert all(block_compile.runs_as_fx(members) for members in mask_groups)
+    assert all(not masks & set(members[0].source.ops) for members in plan.compiled_groups)
+    # every group decomposed, as the compiled ones are: a group that runs as FX stays as traced
+    monkeypatch.setattr(block_compile, "runs_as_fx", lambda members: False)
+    whole = inductor.decompose(gm, inductor.fake_inputs(gm, ctx))
+    by_pieces = inductor.inductor_decomposition(gm, ctx)
+    plan = by_pieces.meta[block_compile.PIECES]
+    assert ctx.report["inductor_decomposition"]["decomposed_pieces"] == len(plan.groups) < len(plan.pieces)
+    assert _ops_and_marks(by_pieces) == _ops_and_marks(whole)
+    assert len([n for n in by_pieces.graph.nodes if n.op == "get_attr"]) == 4 * (2 + 3)
+    compiled = counting_fx_compile(monkeypatch)
+    inductor.full_inductor_compilation(by_pieces, ctx)
+    assert [id(g) for g in compiled] == [id(members[0].module) for members in plan.groups]
+
+
+def test_a_piece_goes_to_a_compile_worker_with_the_subgraphs_it_reads(monkeypatch):
+    """What a worker decomposes (compile_worker_process.py) is what the rank would: the piece as sent and loaded,
+    its FlexAttention subgraphs with it."""
+    gm, ctx = _flex_step(*FLEX["llama3 dp_shard 2"], monkeypatch)
+    plan = plan_pieces(gm)
+    reading = [members[0].module for members in plan.groups if members[0].module.graph.find_nodes(op="get_attr")]
+    assert len(reading) == 2
+    for piece in reading:
+        loaded = graph_pickle.loads(graph_pickle.dumps(compile_workers._sendable(piece)))
+        inputs = [n.meta["val"] for n in loaded.graph.find_nodes(op="placeholder")]
+        sent = inductor.decompose(loaded, inputs)
+        here = inductor.decompose(piece, inductor.fake_inputs(piece, ctx))
+        assert _ops_and_marks(sent) == _ops_and_marks(here)
+        assert sum(n.target is torch.ops.higher_order.flex_attention_backward for n in sent.graph.nodes) == (piece is reading[1])

@@ -130,6 +130,8 @@ class Piece:
     """Inputs of collectives this piece waits for, issued by an earlier piece: dropped after it runs."""
     communication: bool = False
     """Every op of it is of a communication run (`_communication_runs`)."""
+    builds_masks: bool = False
+    """Every op of it builds FlexAttention's masks (`flex_attention_masks`)."""
     built: fx.GraphModule | None = None
     """Its graph module: copied from its source when first asked for, or its group's decomposition."""
 
@@ -148,6 +150,49 @@ def is_subgraph(gm: fx.GraphModule, node: fx.Node) -> bool:
     """An attribute the graph reads that is no tensor: a subgraph a higher-order op calls (FlexAttention's
     score and mask functions)."""
     return node.op == "get_attr" and not _is_constant(gm, node)
+
+
+def _is_integer_tensor(val: Any) -> bool:
+    return isinstance(val, torch.Tensor) and not val.is_floating_point() and not val.is_complex()
+
+
+def flex_attention_masks(gm: fx.GraphModule) -> set[fx.Node]:
+    """The ops that build FlexAttention's block masks (and their mask functions' buffers) from the graph's integer
+    inputs, the token ids, alone: every op computed only from those that a FlexAttention op reads, and the ops
+    they are computed from."""
+    from_tokens: dict[fx.Node, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            from_tokens[node] = _is_integer_tensor(node.meta.get("val"))
+        elif node.op == "call_function":
+            from_tokens[node] = all(from_tokens[a] for a in node.all_input_nodes)
+        else:
+            from_tokens[node] = False
+    hops = [n for n in gm.graph.nodes if n.op == "call_function" and "flex_attention" in str(n.target)
+            and isinstance(n.target, torch._ops.HigherOrderOperator)]
+    masks: set[fx.Node] = set()
+    todo = [a for n in hops for a in n.all_input_nodes if a.op == "call_function" and from_tokens[a]]
+    while todo:
+        node = todo.pop()
+        if node not in masks and node.op == "call_function":
+            masks.add(node)
+            todo.extend(node.all_input_nodes)
+    return masks
+
+
+def unread_ops(gm: fx.GraphModule) -> set[fx.Node]:
+    """Ops whose results nothing reads, directly or through other such ops, and that change nothing (no mutation,
+    no random numbers, no collective). Traces leave some: DTensor's norm of the in-graph optimizer's gradients
+    (`clipping.total_norm`) leaves a `_foreach_norm` of 291 empty tensors of the parameters' global shapes for
+    llama3 8B, `create_block_mask` a few ops between FlexAttention's masks. Inductor drops them from what it
+    compiles, and a piece of them alone compiled to nothing that could be stored: every start of the 8B with the
+    in-graph optimizer decomposed and compiled it again (bench/results/2026-11-29-session18)."""
+    unread: set[fx.Node] = set()
+    for node in reversed(list(gm.graph.nodes)):
+        if (node.op == "call_function" and all(u in unread for u in node.users) and not node.is_impure()
+                and not is_collective(node)):
+            unread.add(node)
+    return unread
 
 
 def _waits(collective: fx.Node) -> list[fx.Node]:
@@ -214,23 +259,27 @@ def _communication_runs(gm: fx.GraphModule) -> set[fx.Node]:
     return runs
 
 
-def cut(gm: fx.GraphModule, starts: list[BlockStart]) -> tuple[list[list[fx.Node]], set[fx.Node]]:
+def cut(gm: fx.GraphModule, starts: list[BlockStart]) -> tuple[list[list[fx.Node]], set[fx.Node], set[fx.Node]]:
     """The graph's ops in pieces, cut before each block phase's first op, before each parameter's update
-    traced in (`blocks.UPDATE_KEY`) and around each communication run (`_communication_runs`). Which
+    traced in (`blocks.UPDATE_KEY`), around each communication run (`_communication_runs`) and around the
+    ops that build FlexAttention's masks (`flex_attention_masks`); ops nothing reads are left out
+    (`unread_ops`). Which
     collectives a block issues and waits for differs at the ends of each phase (no block left to
     prefetch, the first block's gather issued by the prologue, the loss's parameters): in pieces of
     their own, they leave the blocks' compute the same from the first block to the last, and the
     pieces that hold only communication are cheap to compile. A `getitem` stays with the op whose
     multiple outputs it takes (a piece's outputs are tensors); attributes are in no piece (a constant
-    is an input of each piece that reads it, a subgraph is copied into it). Returns the pieces and the
-    communication runs' ops."""
+    is an input of each piece that reads it, a subgraph is copied into it). Returns the pieces, the
+    communication runs' ops and the masks' ops."""
     boundaries = {s.node for s in starts} | set(update_starts(gm))
     runs = _communication_runs(gm)
+    masks = flex_attention_masks(gm)
+    unread = unread_ops(gm)
     pieces: list[list[fx.Node]] = [[]]
     home: dict[fx.Node, list[fx.Node]] = {}
     previous: fx.Node | None = None
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output", "get_attr"):
+        if node.op in ("placeholder", "output", "get_attr") or node in unread:
             continue
         if node.target is operator.getitem and node.args[0] in home:
             home[node] = home[node.args[0]]
@@ -238,20 +287,20 @@ def cut(gm: fx.GraphModule, starts: list[BlockStart]) -> tuple[list[list[fx.Node
             continue
         # a block's first op made from its gathered parameters alone stays with the run that unpacks them
         within_run = previous in runs and node in runs
-        turns = previous is not None and (node in runs) != (previous in runs)
+        turns = previous is not None and ((node in runs) != (previous in runs) or (node in masks) != (previous in masks))
         if (node in boundaries and not within_run or turns) and pieces[-1]:
             pieces.append([])
         pieces[-1].append(node)
         home[node] = pieces[-1]
         previous = node
-    return pieces, runs
+    return pieces, runs, masks
 
 
 def split(gm: fx.GraphModule, starts: list[BlockStart]) -> tuple[list[Piece], list[Any], Any, int] | None:
     """The pieces with their slots, the constants (tensors the graph reads as attributes, passed as
     inputs after the graph's own), the output structure (slots in place of nodes) and the slot count.
     None when a value that is not a tensor, or has no traced value, would cross pieces."""
-    nodes, runs = cut(gm, starts)
+    nodes, runs, masks = cut(gm, starts)
     slot: dict[fx.Node, int] = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     constants = [n for n in gm.graph.nodes if _is_constant(gm, n)]
     for n in constants:
@@ -284,8 +333,10 @@ def split(gm: fx.GraphModule, starts: list[BlockStart]) -> tuple[list[Piece], li
         frees = [slot[a] for a in inputs if last_read[a] == k and held.get(a, -1) < k]
         releases = [slot[a] for a, until in held.items() if until == k and until >= last_read[a]]
         communication = all(n in runs or n.target is operator.getitem for n in piece)
+        builds_masks = all(n in masks or n.target is operator.getitem for n in piece)
         source = PieceSource(gm, [a for a in reads if is_subgraph(gm, a)], inputs, piece, outputs)
-        pieces.append(Piece(source, [slot[a] for a in inputs], [slot[n] for n in outputs], frees, releases, communication))
+        pieces.append(Piece(source, [slot[a] for a in inputs], [slot[n] for n in outputs], frees, releases, communication,
+                            builds_masks))
     result = fx.node.map_arg(output.args[0], lambda n: _Slot(slot[n]))
     return pieces, [getattr(gm, n.target) for n in constants], result, len(slot)
 
@@ -336,10 +387,13 @@ FX the group's casts and copies run as separate kernels, once or twice a step.""
 
 
 def runs_as_fx(members: list[Piece]) -> bool:
-    """Whether a group of pieces runs as FX: it only takes views (`views_only`), or it is communication the
-    step runs at most `FX_RUNS` times."""
+    """Whether a group of pieces runs as FX: it only takes views (`views_only`), it is communication the
+    step runs at most `FX_RUNS` times, or it builds FlexAttention's masks. Those masks ran as FX before the
+    step was compiled by pieces (`inductor.split_mask_prologue`); compiled, DeepSeek V3 16B's (document
+    masks, 4 x 4096 tokens a rank) took 71.1 s in a compile worker, when no other piece took more than 20.4 s
+    (one H200, torch 2.11: bench/results/2026-11-29-session18)."""
     first = members[0]
-    return views_only(first.module) or first.communication and len(members) <= FX_RUNS
+    return views_only(first.module) or first.builds_masks or first.communication and len(members) <= FX_RUNS
 
 
 class PieceRunner:
@@ -466,8 +520,8 @@ def _copy_named(graph: fx.Graph, node: fx.Node, transform: Callable[[fx.Node], f
 def stitch(gm: fx.GraphModule, plan: PiecePlan, decomposed: PiecePlan) -> fx.GraphModule:
     """`gm` (cut as `plan`) with each piece's ops replaced by those of its `decomposed` module, reading
     its own inputs. Decomposition works op by op, so where every piece was decomposed this is the graph
-    that decomposing `gm` whole gives, ops in the same order, each copy carrying its own piece's
-    metadata."""
+    that decomposing `gm` whole gives, less the ops nothing reads (`unread_ops`), ops in the same order,
+    each copy carrying its own piece's metadata."""
     group_of = {id(piece): index for index, members in enumerate(decomposed.groups) for piece in members}
     graph = fx.Graph()
     env: list[fx.Node | None] = [graph.node_copy(n) for n in gm.graph.find_nodes(op="placeholder")]
@@ -493,6 +547,7 @@ def stitch(gm: fx.GraphModule, plan: PiecePlan, decomposed: PiecePlan) -> fx.Gra
                     setattr(gm, attributes[index, node.target], getattr(result, node.target))
                 values[node] = graph.get_attr(attributes[index, node.target])
                 values[node].meta = dict(node.meta)
+                _own_meta(values[node], sources)
                 continue
             values[node] = _copy_named(graph, node, values.__getitem__, f"{node.name}_{k}")
             _own_meta(values[node], sources)

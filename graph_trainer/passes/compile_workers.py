@@ -63,7 +63,7 @@ def _sendable(piece: fx.GraphModule) -> fx.GraphModule:
     """A copy of `piece` whose only traced values are its inputs', as fresh tensors of their shapes, strides and dtypes
     (as the compile gets them: `compile_cache.cacheable_inputs`). The worker's decomposition traces the rest again;
     and on torch 2.11 a view a graph pass made (a bucket's split into parameters) does not pickle ("cannot pickle
-    'KeyedRef' object")."""
+    'KeyedRef' object"). The subgraphs it reads (FlexAttention's score and mask functions) go with it."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(piece.graph, {}))
     mode = FakeTensorMode()
@@ -72,7 +72,7 @@ def _sendable(piece: fx.GraphModule) -> fx.GraphModule:
         if node.op == "placeholder":
             with mode:
                 node.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
-    return fx.GraphModule(torch.nn.Module(), graph)
+    return fx.GraphModule(piece, graph)
 
 
 def _group_name(node: fx.Node) -> str | None:

@@ -23,7 +23,7 @@ from ..graph_dump import is_collective
 from ..blocks import block_count
 from ..regions import REGION_KEY
 from . import compile_workers
-from .block_compile import PIECES, PiecePlan, decompose_pieces, is_subgraph, plan_pieces, stitch
+from .block_compile import PIECES, PiecePlan, decompose_pieces, flex_attention_masks, plan_pieces, stitch
 from .compat import (
     FakeTensorMode,
     TracingContext,
@@ -55,10 +55,7 @@ def inductor_decomposition(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     piece whose compile the job's cache holds is not decomposed at all (`PieceEntry`). The rank's compile
     workers (compile_workers.py), where it has them, first compile the pieces the cache lacks into it, so
     that none is left to decompose or compile here."""
-    # A graph with subgraphs (FlexAttention's score and mask functions) is decomposed whole: their copies in
-    # the pieces' decompositions have not run on a GPU (no FlexAttention backward on CPU).
-    subgraphs = any(is_subgraph(gm, n) for n in gm.graph.find_nodes(op="get_attr"))
-    plan = None if subgraphs else _reusable_plan(gm, ctx)
+    plan = _reusable_plan(gm, ctx)
     workers = compile_workers.take()
     try:
         if plan is None:
@@ -160,8 +157,9 @@ def _decompose_unless_cached(piece: fx.GraphModule, ctx: PassContext, cache: com
 
 
 def decompose(gm: fx.GraphModule, inputs: list[Any]) -> fx.GraphModule:
-    """`gm` retraced through Inductor's decomposition table on its fake `inputs`."""
-    mode = detect_fake_mode(inputs)
+    """`gm` retraced through Inductor's decomposition table on its fake `inputs` (a graph that reads none, as
+    the `arange` FlexAttention's masks start from, in a fake mode of its own)."""
+    mode = detect_fake_mode(inputs) or FakeTensorMode()
     with mode, fx_traceback.preserve_node_meta():
         return make_fx(fx.Interpreter(gm).run, decomposition_table=select_decomp_table(), tracing_mode="real")(*inputs)
 
@@ -187,10 +185,6 @@ def _drop_unused_opaque_inputs(gm: fx.GraphModule) -> list[int] | None:
     return kept
 
 
-def _is_integer_tensor(val: Any) -> bool:
-    return isinstance(val, torch.Tensor) and not val.is_floating_point() and not val.is_complex()
-
-
 def split_mask_prologue(gm: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule] | None:
     """Split off the part of the graph that builds FlexAttention's masks from the token ids alone.
 
@@ -201,26 +195,9 @@ def split_mask_prologue(gm: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphMod
     FlexibleLayout to FixedLayout first"). Given as inputs, as `torch.compile` sees them when the
     mask is built by its own call, they compile into the fused kernels.
     """
-    from_tokens: dict[fx.Node, bool] = {}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            from_tokens[node] = _is_integer_tensor(node.meta.get("val"))
-        elif node.op == "call_function":
-            from_tokens[node] = all(from_tokens[a] for a in node.all_input_nodes)
-        else:
-            from_tokens[node] = False
-    hops = [n for n in gm.graph.nodes if n.op == "call_function" and "flex_attention" in str(n.target)
-            and isinstance(n.target, torch._ops.HigherOrderOperator)]
-    masks = {a for n in hops for a in n.all_input_nodes if a.op == "call_function" and from_tokens[a]}
-    if not masks:
+    prologue = flex_attention_masks(gm)
+    if not prologue:
         return None
-    prologue: set[fx.Node] = set()
-    todo = list(masks)
-    while todo:
-        node = todo.pop()
-        if node not in prologue and node.op == "call_function":
-            prologue.add(node)
-            todo.extend(node.all_input_nodes)
     outputs = [n for n in gm.graph.nodes if n in prologue and any(u not in prologue for u in n.users)]
     placeholders = gm.graph.find_nodes(op="placeholder")
 
@@ -241,9 +218,10 @@ def split_mask_prologue(gm: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphMod
 
 
 def full_inductor_compilation(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
-    """Compile the whole graph, collectives included, with Inductor; a FlexAttention mask built from the
-    token ids runs before it as FX (`split_mask_prologue`)."""
-    split = split_mask_prologue(gm)
+    """Compile the whole graph, collectives included, with Inductor: by the pieces it was decomposed in
+    (`PIECES`; FlexAttention's masks are pieces of their own, run as FX), else whole, a FlexAttention mask
+    built from the token ids running before it as FX (`split_mask_prologue`)."""
+    split = None if PIECES in gm.meta else split_mask_prologue(gm)
     if split is None:
         return _compile_by_pieces(gm, ctx)
     prologue, main = split
