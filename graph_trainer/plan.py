@@ -37,7 +37,7 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     from .autoparallel import compat
     from .autoparallel.entry import mesh_info, param_dtype_for, solve, solve_stages
     from .autoparallel.moe import prepare_model
-    from .data.tokenizer import build_tokenizer, document_separator
+    from .data.tokenizer import separator_of
     from .hardware import select
     from .parallel.compat import init_fake_process_group
     from .parallel.pipeline import layout_of
@@ -48,7 +48,7 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     solver_mesh = init_device_mesh("cpu", info.sizes, mesh_dim_names=info.solver_names) if info.sizes else None
     spec = models.get_spec(cfg.model.name)
     args = spec.job_args(cfg)
-    build = functools.partial(models.build_to_place, spec, args, "cpu", document_separator(build_tokenizer(cfg.model.tokenizer_path or None)))
+    build = functools.partial(models.build_to_place, spec, args, "cpu", separator_of(cfg.model.tokenizer_path))
     hw = select(cfg.compile.hardware, torch.device("cuda"))
     layout = layout_of(cfg.parallelism, args.n_layers, lambda: models.stage_costs(args, build(), cfg.training.seq_len))
     if layout is not None:

@@ -32,7 +32,7 @@ class FakeTrace:
 
 def trace_on_fake_mesh(cfg: JobConfig, world_size: int) -> FakeTrace:
     """Place the model as `train` would (manual or solver plan), then trace one microbatch on fake tensors."""
-    from ..data.tokenizer import build_tokenizer, document_separator
+    from ..data.tokenizer import separator_of
     from ..placement import place_model
     from ..losses import cross_entropy
     from ..parallel.simple_fsdp import MixedPrecision
@@ -46,8 +46,8 @@ def trace_on_fake_mesh(cfg: JobConfig, world_size: int) -> FakeTrace:
     device = torch.device("cpu")
     # Plans are for the GPU: "auto" precision resolves as it would there.
     mp = MixedPrecision.from_config(cfg.training, "cuda")
-    separator = document_separator(build_tokenizer(cfg.model.tokenizer_path or None))
-    model = annotate_blocks(place_model(models.build_to_place(spec, args, "cpu", separator), spec, args, meshes, mp, cfg))
+    model = annotate_blocks(place_model(models.build_to_place(spec, args, "cpu", separator_of(cfg.model.tokenizer_path)),
+                                        spec, args, meshes, mp, cfg))
     apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option, cfg.compile.mode)
     local_batch = t.batch_size // (degrees.dp * t.gradient_accumulation_steps)
     step = FunctionalTrainStep(model, cross_entropy, 1.0 / t.gradient_accumulation_steps)

@@ -95,6 +95,12 @@ def _find_tokenizer(path: Path) -> Path:
     return file
 
 
+def separator_of(tokenizer_path: str) -> int | None:
+    """The document separator of a job's tokenizer (`--model.tokenizer_path`; empty: the shipped one), for a model
+    built without the job's data (`graph-trainer plan`, a trace on the fake process group)."""
+    return document_separator(build_tokenizer(tokenizer_path or None))
+
+
 def build_tokenizer(path: str | None) -> FileTokenizer:
     """Load a tokenizer: ``None`` is the shipped 2048-token BPE trained on the shipped corpus;
     otherwise ``path`` is a tokenizer file of any name or a folder holding one, with the

@@ -43,6 +43,7 @@ import torch
 from torch import fx
 
 from ..blocks import BlockStart, Phase, block_starts, communication_nodes, computed_from_inputs, update_starts
+from ..flops import FLEX_ATTENTION_OPS
 from ..graph_dump import is_collective
 from .bucketing_compat import WAIT, is_gradient_reduction
 from .collectives import read_by_update
@@ -160,6 +161,9 @@ def flex_attention_masks(gm: fx.GraphModule) -> set[fx.Node]:
     """The ops that build FlexAttention's block masks (and their mask functions' buffers) from the graph's integer
     inputs, the token ids, alone: every op computed only from those that a FlexAttention op reads, and the ops
     they are computed from."""
+    hops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in FLEX_ATTENTION_OPS]
+    if not hops:
+        return set()
     from_tokens: dict[fx.Node, bool] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -168,8 +172,6 @@ def flex_attention_masks(gm: fx.GraphModule) -> set[fx.Node]:
             from_tokens[node] = all(from_tokens[a] for a in node.all_input_nodes)
         else:
             from_tokens[node] = False
-    hops = [n for n in gm.graph.nodes if n.op == "call_function" and "flex_attention" in str(n.target)
-            and isinstance(n.target, torch._ops.HigherOrderOperator)]
     masks: set[fx.Node] = set()
     todo = [a for n in hops for a in n.all_input_nodes if a.op == "call_function" and from_tokens[a]]
     while todo:
