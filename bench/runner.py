@@ -250,12 +250,25 @@ def against_reference(run: Run, result: dict, results: list[dict]) -> dict:
 IMPORTS = "import torchtitan.train, bench.titan_spec, graph_trainer.trainer, graph_trainer.passes.compile_worker_process"
 """What both trainers import (ours, its compile workers too)."""
 
+KERNEL_LIBRARIES = """
+import torch, torch.nn.functional as F
+if torch.cuda.is_available():
+    q = torch.randn(1, 8, 256, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    (q.view(-1, 128) @ q.view(-1, 128).t()).sum().backward()
+    torch.cuda.synchronize()
+"""
+"""A step's kinds of GPU kernels (attention, matmuls, forward and backward): their libraries load them on first use."""
+
 
 def warm_imports() -> None:
-    """Import both trainers once before the first timed run: the first process of a device call reads torch's
-    libraries from disk and compiles the bytecode of the wheels installed for the call (one H200: 15.3 s for the
-    imports of our trainer, 11.6 s when run again), a cost that would fall on whichever trainer runs first."""
-    subprocess.run([sys.executable, "-c", IMPORTS], cwd=REPO, capture_output=True, check=False)
+    """Import both trainers once before the first timed run, and call the GPU's kernel libraries: the first process
+    of a device call reads torch's libraries from disk and compiles the bytecode of the wheels installed for the call
+    (one H200: 15.3 s for the imports of our trainer, 11.6 s when run again), and the first to run attention and
+    matmuls on the GPU loads their kernels (one H200: an op of our first step's first call took about 2 s more in the
+    call's first run than in its later ones, bench/results/2026-11-29-session19); a cost that would fall on whichever
+    trainer runs first."""
+    subprocess.run([sys.executable, "-c", f"{IMPORTS}\n{KERNEL_LIBRARIES}"], cwd=REPO, capture_output=True, check=False)
 
 
 def run_suite(runs: list[Run], runs_dir: Path, timeout: int, earlier: list[dict], on_result: Callable[[list[dict]], None]) -> list[dict]:

@@ -52,9 +52,12 @@ class Processes:
     started: float = field(default_factory=time.perf_counter)
 
     def stop(self) -> None:
-        """Kill the workers (idle, compiling or still importing) and remove their folder."""
+        """Kill the workers (idle, compiling or still importing) and remove their folder. All are killed before any is
+        waited for: each one's exit tears down its CUDA context, and one after the other the 8 workers of an H200 took
+        1.0-1.3 s of the first step's wait (bench/results/2026-11-29-session19)."""
         for proc in self.procs:
             proc.kill()
+        for proc in self.procs:
             proc.wait()
             for pipe in (proc.stdin, proc.stdout):
                 try:

@@ -4,6 +4,7 @@ worker processes into the compile cache, loaded by the full compile; what a work
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -87,7 +88,7 @@ class _Failing:
     def __init__(self, why: str):
         self.why = why
 
-    def compile(self, jobs, cache, options):
+    def compile(self, jobs, cache, options, on_stored=None):
         return {job.key: self.why for job in jobs} if self.why else {}
 
     def close(self):
@@ -118,6 +119,73 @@ def test_pieces_the_workers_fail_on_are_decomposed_and_compiled_by_the_pass(why,
     assert [r.getMessage() for r in caplog.records] == [
         f"compile workers: {groups} of {groups} pieces failed, compiled here instead (first: {first})"]
     assert all(torch.equal(a, b) for a, b in zip(alone(*real), runner(*real)))
+
+
+def test_the_rank_loads_each_piece_a_worker_stored_while_the_workers_compile_the_others(tmp_path, monkeypatch):
+    """The rank waits on its workers anyway: it loads each stored piece then, in its own thread, and the full compile
+    takes what it loaded instead of reading the entry again; the step computes what it computes alone."""
+    gm, ctx, real = deep_step(8)
+    ctx.cfg = parse_args(["--compile.cache_dir", str(tmp_path / "alone")])
+    alone = _decompose_and_compile(ctx, gm)
+    workers = compile_workers.CompileWorkers(1)
+    monkeypatch.setattr(compile_workers, "take", lambda: workers)
+    compiling, loads = [], []
+    compile_in_workers, load = workers.compile, CompileCache.load
+
+    def compile(*args, **kwargs):
+        compiling.append(True)
+        try:
+            return compile_in_workers(*args, **kwargs)
+        finally:
+            compiling.clear()
+
+    monkeypatch.setattr(workers, "compile", compile)
+    monkeypatch.setattr(CompileCache, "load", lambda cache, key: loads.append((key, bool(compiling), threading.get_ident()))
+                        or load(cache, key))
+    gm, ctx, _ = deep_step(8)
+    ctx.cfg = parse_args(["--compile.cache_dir", str(tmp_path / "workers")])
+    runner = _decompose_and_compile(ctx, gm)
+    stored = entries(tmp_path / "workers")
+    assert ctx.report["inductor_decomposition"]["worker_compiled_pieces"] == len(stored) > 1
+    assert sorted(f"{key}.bin" for key, _, _ in loads) == sorted(stored)
+    assert all(during and thread == threading.get_ident() for _, during, thread in loads)
+    assert all(torch.equal(a, b) for a, b in zip(alone(*real), runner(*real)))
+
+
+def test_jobs_go_out_heaviest_first_by_what_they_take_to_compile(tmp_path, caplog):
+    """One worker compiles the jobs in the order they go out: the embedding's backward (`SLOW_TO_COMPILE`) before a
+    piece of 40 adds; then, with no job left, it is stopped."""
+    workers = compile_workers.CompileWorkers(1)
+    grad, ids = torch.randn(4, 8), torch.randint(0, 16, (4,))
+    adds = _job(lambda x: sum((x + i for i in range(40)), x), torch.randn(4))
+    embedding = _job(lambda g, i: torch.ops.aten.embedding_dense_backward.default(g, i, 16, -1, False), grad, ids)
+    embedding.key = "e" + embedding.key[1:]
+    try:
+        with caplog.at_level(logging.INFO, logger="graph_trainer"):
+            outcomes = workers.compile([adds, embedding], CompileCache(tmp_path), None)
+        # stopped as soon as no job was left for it, before `close`
+        assert workers.procs[0].wait(30) is not None
+    finally:
+        workers.close()
+    assert outcomes == {adds.key: "", embedding.key: ""}
+    done = [r.getMessage().split(" nodes in")[0] for r in caplog.records if r.getMessage().startswith("compile workers: piece")]
+    assert done == [f"compile workers: piece of {len(job.piece.graph.nodes)}" for job in (embedding, adds)]
+    assert len(embedding.piece.graph.nodes) < len(adds.piece.graph.nodes)
+
+
+def test_stopping_workers_kills_every_one_before_waiting_for_any():
+    """Each exit tears down a CUDA context: waited for one after the other, 8 workers kept the first step waiting."""
+    from graph_trainer import worker_processes
+
+    processes = worker_processes.spawn(2, "cpu")
+    calls = []
+    for i, proc in enumerate(processes.procs):
+        kill, wait = proc.kill, proc.wait
+        proc.kill = lambda i=i, kill=kill: calls.append(f"kill {i}") or kill()
+        proc.wait = lambda *a, i=i, wait=wait, **k: calls.append(f"wait {i}") or wait(*a, **k)
+    processes.stop()
+    assert calls == ["kill 0", "kill 1", "wait 0", "wait 1"]
+    assert all(proc.poll() is not None for proc in processes.procs) and not processes.folder.exists()
 
 
 def test_the_warm_up_compiles_a_graph_on_the_workers_device(monkeypatch):

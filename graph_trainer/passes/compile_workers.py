@@ -16,8 +16,10 @@ the decomposition (`inductor.PieceEntry`), the job's Inductor options and config
 groups its collectives name (the worker registers groups of the same ranks under the same names on the fake
 process group: Inductor resolves them while it compiles). The worker (compile_worker_process.py) decomposes
 the piece, compiles it with the pass's own functions (`inductor.decompose`, `inductor.compile_graph`) and
-stores it under that key. Jobs go out largest first as each is pickled, each to the next worker free. A piece
-a worker fails on is compiled by the pass itself, as it is without workers, after one warning line.
+stores it under that key. Jobs go out heaviest first (`SLOW_TO_COMPILE`) as each is pickled, each to the next
+worker free; the rank loads each stored piece while the workers compile the others (`on_stored`), and each worker
+stops once no job is left for it. A piece a worker fails on is compiled by the pass itself, as it is without
+workers, after one warning line.
 
 `--compile.compile_workers N`: N processes per rank. -1 (auto) is one per `worker_processes.THREADS` cores on a
 GPU rank alone on its node (one GPU; `graph-trainer precompile`, which fills the cache of a cluster job from one
@@ -42,7 +44,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -73,6 +75,17 @@ def _sendable(piece: fx.GraphModule) -> fx.GraphModule:
             with mode:
                 node.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
     return fx.GraphModule(piece, graph)
+
+
+SLOW_TO_COMPILE = {torch.ops.aten.embedding_dense_backward.default: 100}
+"""Ops that take Inductor far longer than one node's share of a piece, in nodes: the jobs go out heaviest first by
+this weight (`_weight`). On one H200 llama3 8B's embedding backward (5 nodes: the op, a view, a cast) compiled in
+2.2-2.5 s, as long as a block's forward of 90 nodes; sent last by its node count, the first step waited on it
+(bench/results/2026-11-29-session18 and -session19)."""
+
+
+def _weight(piece: fx.GraphModule) -> int:
+    return sum(SLOW_TO_COMPILE.get(node.target, 1) for node in piece.graph.nodes)
 
 
 def _group_name(node: fx.Node) -> str | None:
@@ -113,8 +126,12 @@ class CompileWorkers:
         self.first_job: float | None = None
         """Seconds from the workers' start to the first piece sent."""
 
-    def compile(self, jobs: list[Job], cache: compile_cache.CompileCache, options: dict | None) -> dict[str, str]:
-        """Compile `jobs` into `cache`: for each key, "" where its entry was stored, else why not."""
+    def compile(self, jobs: list[Job], cache: compile_cache.CompileCache, options: dict | None,
+                on_stored: Callable[[str], None] | None = None) -> dict[str, str]:
+        """Compile `jobs` into `cache`: for each key, "" where its entry was stored, else why not. `on_stored(key)` is
+        called here, in the caller's thread, as each entry is stored, while the workers compile the others: the
+        caller waits on them anyway. Each worker is stopped as soon as no job is left for it: the workers compile one
+        batch."""
         try:
             groups = _groups([job.piece for job in jobs])
         except Exception as e:  # noqa: BLE001  (workers that cannot name the groups leave every piece to the pass)
@@ -122,13 +139,14 @@ class CompileWorkers:
         shared = {"options": options, "config": torch._inductor.config.save_config(), "folder": str(cache.folder),
                   "groups": groups}
         todo: queue.Queue[tuple[Job, Path] | None] = queue.Queue()
-        outcomes: dict[str, str] = {}
-        threads = [threading.Thread(target=self._feed, args=(proc, log, todo, outcomes), daemon=True)
+        answers: queue.Queue[tuple[str, str] | None] = queue.Queue()
+        threads = [threading.Thread(target=self._feed, args=(proc, log, todo, answers), daemon=True)
                    for proc, log in zip(self.procs, self.logs)]
         for t in threads:
             t.start()
-        # each job goes out as soon as it is written, so the largest compiles while the others are pickled
-        for i, job in enumerate(sorted(jobs, key=lambda j: -len(j.piece.graph.nodes))):
+        outcomes: dict[str, str] = {}
+        # each job goes out as soon as it is written, so the heaviest compiles while the others are pickled
+        for i, job in enumerate(sorted(jobs, key=lambda j: -_weight(j.piece))):
             path = self.folder / f"job{i}.pkl"
             try:
                 payload = {**shared, "graph": graph_pickle.dumps(_sendable(job.piece)), "key": job.key, "parts": job.parts}
@@ -140,38 +158,52 @@ class CompileWorkers:
             if self.first_job is None:
                 self.first_job = time.perf_counter() - self.processes.started
         todo.put(None)
+        feeding = len(threads)
+        while feeding:
+            answer = answers.get()
+            if answer is None:
+                feeding -= 1
+                continue
+            key, outcomes[key] = answer
+            if not outcomes[key] and on_stored is not None:
+                on_stored(key)
         for t in threads:
             t.join()
         return outcomes
 
-    def _feed(self, proc: subprocess.Popen, log: Path, todo: queue.Queue, outcomes: dict[str, str]) -> None:
-        """Hand `proc` jobs until none is left or it dies; record each job's outcome."""
+    def _feed(self, proc: subprocess.Popen, log: Path, todo: queue.Queue, answers: queue.Queue) -> None:
+        """Hand `proc` jobs until none is left or it dies; put each job's (key, outcome) on `answers`, then None."""
         ready_told = False
-        while True:
-            item = todo.get()
-            if item is None:
-                # the end of the jobs, left for the other feeders
-                todo.put(None)
-                return
-            job, path = item
-            try:
-                proc.stdin.write(f"{path}\n")
-                proc.stdin.flush()
-                line = ""
-                while line is not None and not line.startswith(REPLY):
-                    line = proc.stdout.readline() or None
-            except OSError:
-                line = None
-            if line is None:
-                text = log.read_text().strip().splitlines() if log.exists() else []
-                outcomes[job.key] = f"the worker exited ({text[-1] if text else f'code {proc.poll()}'})"
-                return
-            reply = json.loads(line[len(REPLY):])
-            outcomes[job.key] = reply["error"]
-            if reply.get("ready") is not None and not ready_told:
-                ready_told = True
-                self.ready.append(reply["ready"])
-            logger.info(f"compile workers: piece of {len(job.piece.graph.nodes):,} nodes in {reply['seconds']:.1f} s")
+        try:
+            while True:
+                item = todo.get()
+                if item is None:
+                    # the end of the jobs, left for the other feeders; this worker is done: its exit (a CUDA
+                    # context torn down) overlaps the others' compiles instead of adding to `close`
+                    todo.put(None)
+                    proc.kill()
+                    return
+                job, path = item
+                try:
+                    proc.stdin.write(f"{path}\n")
+                    proc.stdin.flush()
+                    line = ""
+                    while line is not None and not line.startswith(REPLY):
+                        line = proc.stdout.readline() or None
+                except OSError:
+                    line = None
+                if line is None:
+                    text = log.read_text().strip().splitlines() if log.exists() else []
+                    answers.put((job.key, f"the worker exited ({text[-1] if text else f'code {proc.poll()}'})"))
+                    return
+                reply = json.loads(line[len(REPLY):])
+                if reply.get("ready") is not None and not ready_told:
+                    ready_told = True
+                    self.ready.append(reply["ready"])
+                logger.info(f"compile workers: piece of {len(job.piece.graph.nodes):,} nodes in {reply['seconds']:.1f} s")
+                answers.put((job.key, reply["error"]))
+        finally:
+            answers.put(None)
 
     def close(self) -> None:
         """Stop the workers: idle (every job answered, each entry renamed into place whole) or still importing."""
