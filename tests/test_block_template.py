@@ -21,6 +21,8 @@ from graph_trainer.capture.fake_trace import trace_on_fake_mesh
 from graph_trainer.compile_cache import graph_fingerprint
 from graph_trainer.config import parse_args
 from graph_trainer.losses import cross_entropy
+from graph_trainer.passes import block_compile
+from graph_trainer.passes.block_compile import plan_pieces
 from graph_trainer.train_step import FunctionalTrainStep, named_buffers
 
 EIGHT = ("--model.n_layers", "8")
@@ -109,6 +111,21 @@ def test_the_in_graph_optimizer_step_from_a_few_blocks_is_the_step_traced_whole(
     assert graph_fingerprint(templated) == graph_fingerprint(whole)
     assert [n.meta.get("custom") for n in templated.graph.nodes] == [n.meta.get("custom") for n in whole.graph.nodes]
     assert _aliasing(templated) == _aliasing(whole)
+
+
+def test_the_in_graph_optimizers_gradient_norm_runs_as_fx_and_its_update_is_compiled():
+    """`_foreach_norm` over every gradient is one multi-tensor kernel in ATen and a reduction per gradient in Inductor
+    (the slowest of llama3 8B's pieces to compile): its piece runs as FX; the clipping and AdamW are compiled."""
+    world, flags = CONFIGS["llama3 dp_shard 2"]
+    plan = plan_pieces(_optimizer_step_trace(world, flags))
+
+    def holds(members, op):
+        return any(n.target is op for n in members[0].module.graph.nodes)
+
+    norm = [members for members in plan.groups if holds(members, torch.ops.aten._foreach_norm.Scalar)]
+    assert len(norm) == 1 and block_compile.runs_as_fx(norm[0])
+    assert not any(holds(members, torch.ops.aten._foreach_norm.Scalar) for members in plan.compiled_groups)
+    assert any(holds(members, torch.ops.aten.lerp.Scalar) for members in plan.compiled_groups)
 
 
 def test_a_buffer_nothing_reads_between_blocks_stays_with_its_block(monkeypatch):

@@ -388,14 +388,23 @@ Inductor's fixed costs per graph (llama3 8B at dp_shard 4: 9 of the step's 21 co
 FX the group's casts and copies run as separate kernels, once or twice a step."""
 
 
+MULTI_TENSOR_REDUCTIONS = {torch.ops.aten._foreach_norm.Scalar}
+"""Ops whose ATen kernel reduces every tensor of a list in one multi-tensor launch, where Inductor writes a reduction
+per tensor: a piece holding one runs as FX. The in-graph optimizer's gradient norm is such a piece (the norms of the
+291 gradients of llama3 8B, their stack and power): compiled, it took 4.7-6.4 s in a compile worker, the longest of
+the step's pieces, which the first step then waited on (one H200: bench/results/2026-11-29-session19)."""
+
+
 def runs_as_fx(members: list[Piece]) -> bool:
     """Whether a group of pieces runs as FX: it only takes views (`views_only`), it is communication the
-    step runs at most `FX_RUNS` times, or it builds FlexAttention's masks. Those masks ran as FX before the
-    step was compiled by pieces (`inductor.split_mask_prologue`); compiled, DeepSeek V3 16B's (document
-    masks, 4 x 4096 tokens a rank) took 71.1 s in a compile worker, when no other piece took more than 20.4 s
-    (one H200, torch 2.11: bench/results/2026-11-29-session18)."""
+    step runs at most `FX_RUNS` times, it builds FlexAttention's masks, or it holds a multi-tensor reduction
+    (`MULTI_TENSOR_REDUCTIONS`). Those masks ran as FX before the step was compiled by pieces
+    (`inductor.split_mask_prologue`); compiled, DeepSeek V3 16B's (document masks, 4 x 4096 tokens a rank)
+    took 71.1 s in a compile worker, when no other piece took more than 20.4 s (one H200, torch 2.11:
+    bench/results/2026-11-29-session18)."""
     first = members[0]
-    return views_only(first.module) or first.builds_masks or first.communication and len(members) <= FX_RUNS
+    return (views_only(first.module) or first.builds_masks or first.communication and len(members) <= FX_RUNS
+            or any(node.target in MULTI_TENSOR_REDUCTIONS for node in first.module.graph.nodes))
 
 
 class PieceRunner:
