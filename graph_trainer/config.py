@@ -193,9 +193,9 @@ class Compile:
     compile_workers: int = -1
     """Processes per rank that compile the distinct pieces of a block-reused step in parallel, into the compile cache
     (needs it on), started by `graph-trainer train` before its imports where the job will trace and compile its step
-    (else where the step is about to be traced). -1 = auto: one per 2 CPU cores on a GPU rank alone on its node
-    (LOCAL_WORLD_SIZE 1: one GPU, `graph-trainer precompile`), else none (several ranks of one node compiled slower
-    with them). 0: the rank compiles every piece itself."""
+    (else where the step is about to be traced). -1 = auto, on a GPU: one per 2 CPU cores on a rank alone on its
+    node (LOCAL_WORLD_SIZE 1: one GPU, `graph-trainer precompile`), one per 4 cores of the rank's share of the node
+    where it has LOCAL_WORLD_SIZE ranks; on CPU none. 0: the rank compiles every piece itself."""
 
 
 @dataclass

@@ -6,7 +6,7 @@ as one rank of dp_shard 8, fake communication) that took 13.9-18.6 s from its st
 piece 10.9-15.1 s after it: started where the step is about to be traced, the workers were what the compile waited
 for. So `graph-trainer train` starts them right after reading its flags (`start_early`), before the rank's own
 imports (11.8-13.4 s there), where the job will want them: the traced step with full Inductor (or
-`autoparallel_backend`) compiled by pieces, on a GPU alone on its node (or `--compile.compile_workers N`), with a
+`autoparallel_backend`) compiled by pieces, on a GPU (`worker_count`, or `--compile.compile_workers N`), with a
 compile cache that holds no traced step yet (a restart loads its pieces and needs none). The compile adopts them
 (`adopt`); any not adopted are stopped when the run ends.
 
@@ -33,14 +33,20 @@ imports slowed the trace beside them), none in 40.4 s (bench/scripts/compile_wor
 
 
 def worker_count(asked: int, device_type: str) -> int:
-    """How many workers `--compile.compile_workers` asks for on this rank (0: none): auto is one per `THREADS` cores,
-    on a GPU rank alone on its node (see passes/compile_workers.py)."""
+    """How many workers `--compile.compile_workers` asks for on this rank (0: none). Auto, on a GPU rank: one per
+    `THREADS` cores where the rank is alone on its node; where it shares the node, its share of the cores over
+    `2 * THREADS`, since every rank compiles every piece and traces beside its workers (2 x H200, 32 cores, llama3 8B
+    cut to 16 layers at dp_shard 2: 4 workers a rank reached the first step in 18.4 s, 8 in 20.3 s, none in 27.3 s;
+    on 4 H200s, 8 a rank were slower than none: bench/results/2026-11-29-session20)."""
     if asked != AUTO:
         return asked
-    if device_type != "cuda" or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+    if device_type != "cuda":
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // THREADS)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if ranks == 1:
+        return max(1, cores // THREADS)
+    return cores // ranks // (2 * THREADS)
 
 
 @dataclass

@@ -232,3 +232,15 @@ def test_workers_start_early_only_for_a_job_that_will_compile_pieces_and_go_to_t
     (tmp_path / "compile_cache" / "traces" / ("0" * 64 + ".bin")).write_bytes(b"")
     worker_processes.start_early(job())
     assert worker_processes._early is None
+
+
+@pytest.mark.parametrize("cores, ranks, expected", [(16, 1, 8), (32, 2, 4), (64, 4, 4), (32, 8, 1), (12, 4, 0)])
+def test_auto_gives_a_rank_workers_by_its_share_of_the_nodes_cores(cores, ranks, expected, monkeypatch):
+    # alone on its node, one per THREADS cores; beside other ranks, half as many of its share (measured on 2 H200s)
+    from graph_trainer import worker_processes
+
+    monkeypatch.setattr(worker_processes.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    assert worker_processes.worker_count(worker_processes.AUTO, "cuda") == expected
+    assert worker_processes.worker_count(worker_processes.AUTO, "cpu") == 0
+    assert worker_processes.worker_count(3, "cuda") == 3

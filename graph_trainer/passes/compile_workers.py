@@ -21,12 +21,10 @@ worker free; the rank loads each stored piece while the workers compile the othe
 stops once no job is left for it. A piece a worker fails on is compiled by the pass itself, as it is without
 workers, after one warning line.
 
-`--compile.compile_workers N`: N processes per rank. -1 (auto) is one per `worker_processes.THREADS` cores on a
-GPU rank alone on its node (one GPU; `graph-trainer precompile`, which fills the cache of a cluster job from one
-process), else none. On 4 H200s of one node (64 cores), four ranks with 8 workers each reached their
-first step later than without (45.3 s against 41.0 s): each rank compiles every piece (a compiled piece
-pins its GPU, so ranks cannot share entries), Inductor's own Triton pools already spread that over the
-cores, and 32 workers importing torch slowed the ranks' trace beside them. On CPU none: the pass's own
+`--compile.compile_workers N`: N processes per rank. -1 (auto) is `worker_processes.worker_count`: on a GPU rank
+alone on its node (one GPU; `graph-trainer precompile`, which fills the cache of a cluster job from one process) one
+per `THREADS` cores, on a node of several ranks half as many of the rank's share: each rank compiles every piece (a
+compiled piece pins its GPU, so ranks cannot share entries) and traces beside its workers. On CPU none: the pass's own
 compile of a small model is quicker than starting a worker. Workers need the compile cache
 (`--compile.cache_dir`), where they leave what they compiled. Each opens a CUDA context on the rank's GPU
 (Inductor reads the device's properties), closed with the worker before the first step.
