@@ -17,6 +17,7 @@ from .models import ModelSpec
 from .parallel import parallelize
 from .parallel.mesh import Meshes
 from .parallel.pipeline import PipelineLayout
+from .parallel import vocab_embedding
 from .parallel.simple_fsdp import MixedPrecision
 from .passes.ep_overlap import moe_chunks
 
@@ -29,7 +30,15 @@ def place_model(model: nn.Module, spec: ModelSpec, args: Any, meshes: Meshes, mp
         from .autoparallel.entry import place
 
         return place(model, spec, args, meshes, mp, cfg, layout, build)
-    return parallelize(model, spec, meshes, mp, cfg.parallelism.moe_capacity_factor, moe_chunks(cfg))
+    return parallelize(model, spec, meshes, mp, cfg.parallelism.moe_capacity_factor, moe_chunks(cfg),
+                       embedding_by_vocab(cfg, meshes, args.vocab_size))
+
+
+def embedding_by_vocab(cfg: JobConfig, meshes: Meshes, vocab: int) -> bool:
+    """Whether this job reads its token embedding in place (`--parallelism.embedding`)."""
+    t, d = cfg.training, meshes.degrees
+    tokens = t.batch_size // (d.dp * t.gradient_accumulation_steps) * t.seq_len
+    return vocab_embedding.chosen(cfg.parallelism.embedding, d, vocab, tokens, cfg.compile.autoparallel, meshes.dense.device_type)
 
 
 def describe_placements(model: nn.Module) -> dict[str, dict[str, Any]]:

@@ -55,6 +55,7 @@ from .parallel.fake_data import fill_collective_outputs, restore_collectives, to
 from .parallel.materialize import materialize
 from .parallel.mesh import Meshes, build_meshes, device_type, resolve_degrees
 from .parallel.pipeline import layout_of, prune_to_rank
+from .parallel.vocab_embedding import VocabShardedEmbedding
 from .pipelining import Pipeline, microbatches_of
 from .parallel.simple_fsdp import MixedPrecision
 from .placement import place_model, write_placements
@@ -210,6 +211,7 @@ class GraphTrainer:
         materialize(self.model, reference, self.device, t.seed)
         # the stored parameter: reading the module attribute would gather it (SimpleFSDP)
         self.embedding_weight = dict(self.model.named_parameters()).get("tok_embeddings.weight") if self.fake else None
+        self.vocab_dims = ("tp", "dp_shard") if isinstance(getattr(self.model, "tok_embeddings", None), VocabShardedEmbedding) else ("tp",)
         apply_activation_checkpointing(self.model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option, cfg.compile.mode)
         self.nparams, self.flops_per_token = models.nparams_and_flops_per_token(args, reference, t.seq_len)
         self.optimizers, self.lr_schedulers = build_optimizer(self.model, cfg, self.device, t.steps)
@@ -297,7 +299,7 @@ class GraphTrainer:
     def to_device(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.embedding_weight is not None:
             # the fake reduce-scatter of a vocab-parallel embedding fills only this rank's rows (fake_data)
-            inputs = tokens_in_vocab_shard(inputs, self.embedding_weight)
+            inputs = tokens_in_vocab_shard(inputs, self.embedding_weight, self.vocab_dims)
         return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
     def train_step(self) -> tuple[float, float, dict]:

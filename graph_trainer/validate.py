@@ -465,3 +465,19 @@ def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
 
 # the plan file is held against the pipeline's stages, which check_pipeline makes sure exist
 _CHECKS_AFTER_MESH += (check_pipeline, check_autoparallel)
+
+
+def check_embedding(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
+    """`--parallelism.embedding vocab` where the job can read its embedding in place (parallel/vocab_embedding.py)."""
+    if cfg.parallelism.embedding != "vocab":
+        return
+    from .parallel.mesh import Degrees
+    from .parallel.vocab_embedding import unsupported
+
+    vocab = models.get_spec(cfg.model.name).job_args(cfg).vocab_size
+    why = unsupported(Degrees(*degrees, pp=cfg.parallelism.pp), vocab, cfg.compile.autoparallel)
+    if why:
+        raise ConfigError(f"--parallelism.embedding vocab cannot run here: {why}; use --parallelism.embedding gather (or auto)")
+
+
+_CHECKS_AFTER_MESH += (check_embedding,)

@@ -55,6 +55,18 @@ def test_llama_fake_rank0_of_dp2_tp2_traces_the_graph_of_real_rank0(tmp_path):
         assert real_norm / 2 < fake_norm < 2 * real_norm
 
 
+def test_fake_rank0_reading_its_embedding_in_place_has_real_rank0s_collectives_at_its_scale(tmp_path):
+    # --parallelism.embedding vocab: the fake reduce-scatter returns the rank's own lookups, so its tokens are moved
+    # into its rows as under tp; without that, half of them started from zero and the gradient norm blew up
+    fake, real = _fake_and_real(tmp_path, [*SMALL, "--parallelism.dp_shard", "2", "--parallelism.embedding", "vocab",
+                                           "--training.batch_size", "2"], 2)
+    # the graphs differ in the token input's strides only (the real batch is a slice of its sequences, the moved one not)
+    assert _collectives(fake) == _collectives(real)
+    assert (fake / "placements.json").read_text() == (real / "placements.json").read_text()
+    for fake_norm, real_norm in zip(grad_norms(read_metrics(fake)), grad_norms(read_metrics(real)), strict=True):
+        assert real_norm / 2 < fake_norm < 2 * real_norm
+
+
 @pytest.mark.slow
 def test_deepseek_fake_rank0_of_dp_shard_x_ep_has_real_rank0_collectives_and_shards(tmp_path):
     args = ["--config", "configs/deepseek_v3_debug.toml", *SMALL, "--parallelism.dp_shard", "4", "--parallelism.ep", "2",

@@ -176,6 +176,10 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
                                                                     "--activation_checkpoint.memory_budget", b] + loss, profile=True)
           for b in c.memory_budgets for name, loss in (("", []), (" fused loss", ["--training.loss", "fused_linear_ce"]))],
         *capacity,
+        # the token embedding gathered as every parameter is (SimpleFSDP), where auto reads it in place (GPU, dp_shard
+        # alone: parallel/vocab_embedding.py)
+        *([ours("gt full embedding gather", c.group, FULL + ["--parallelism.embedding", "gather"], profile=True)]
+          if c.tp == 1 and c.pp == 1 else []),
         # the same job started again: its time to first step with the compile cache the cold run filled
         replace(ours("gt full restart", c.group, FULL), warm_from="gt aot_fx_trace full"),
         # the cold compile without compile workers (passes/compile_workers.py): every piece compiled by each rank itself

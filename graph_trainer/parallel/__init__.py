@@ -10,18 +10,23 @@ from ..models import ModelSpec
 from .mesh import Meshes
 from .simple_fsdp import MixedPrecision, apply_simple_fsdp
 from .tensor_parallel import apply_tensor_parallel
+from .vocab_embedding import read_in_place
 
 
 def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, mp: MixedPrecision, moe_capacity_factor: float = 0.0,
-                moe_chunks: int = 1) -> nn.Module:
-    """Place a meta-device model on the mesh by hand (the SimpleFSDP plan)."""
+                moe_chunks: int = 1, embedding_by_vocab: bool = False) -> nn.Module:
+    """Place a meta-device model on the mesh by hand (the SimpleFSDP plan); `embedding_by_vocab`: the token embedding
+    read in place (vocab_embedding.py)."""
     if meshes.degrees.tp > 1:
         apply_tensor_parallel(model, spec.name, meshes.tp)
     if spec.is_moe:
         from .expert_parallel import prepare_moe
 
         prepare_moe(model, meshes, moe_capacity_factor, moe_chunks)
-    return apply_simple_fsdp(model, meshes, mp)
+    model = apply_simple_fsdp(model, meshes, mp)
+    if embedding_by_vocab:
+        read_in_place(model, meshes, mp)
+    return model
 
 
 OP_SAC_SAVE_LIST = {

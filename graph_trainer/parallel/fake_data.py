@@ -109,14 +109,16 @@ _KERNELS = {
 """Op namespace -> op name -> the kernel that fills its output."""
 
 
-def tokens_in_vocab_shard(tokens: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
+def tokens_in_vocab_shard(tokens: torch.Tensor, embedding_weight: torch.Tensor, dims: tuple[str, ...] = ("tp",)) -> torch.Tensor:
     """`tokens` moved into the vocabulary rows this rank holds of an embedding weight sharded by rows
-    on `tp` (token % held rows + first held row); unchanged for any other layout."""
+    on one of the mesh dimensions `dims` it is looked up over (token % held rows + first held row): `tp`, and
+    `dp_shard` where the embedding is read in place (vocab_embedding.py, whose sum over the ranks is the same
+    reduce-scatter); unchanged for any other layout."""
     if not isinstance(embedding_weight, DTensor):
         return tokens
     mesh = embedding_weight.device_mesh
     for mesh_dim, (name, placement) in enumerate(zip(mesh.mesh_dim_names, embedding_weight.placements)):
-        if name == "tp" and placement == Shard(0):
+        if name in dims and placement == Shard(0) and mesh.size(mesh_dim) > 1:
             shards, shard = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
             rows, first = Shard.local_shard_size_and_offset(embedding_weight.shape[0], shards, shard)
             # a rank past the end of an uneven split holds no row: no token can be its own there
