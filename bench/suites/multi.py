@@ -93,7 +93,8 @@ MULTI_CONFIGS = {
         # torchtitan compile peaked at 39.9 GiB active on 2 H200s (bench/results/2026-11-28-auto-placed-4gpu, call 4)
         MultiConfig("8B-16L dp2", "llama3", "8B", 16, 1, 8192, dp_shard=2, ac="selective", memory_budgets=("40GiB",)),
         MultiConfig("8B-16L tp2", "llama3", "8B", 16, 1, 8192, dp_shard=1, tp=2, ac="selective"),
-        MultiConfig("DeepSeek 16B-6L dp2 ep2", "deepseek_v3", "16B", 6, 2, 4096, dp_shard=2, ep=2),
+        # torchtitan compile peaked at 30.7 GiB active on 2 H100s and on 2 H200s (2026-11-27-multi-2gpu, 2026-11-29-session20)
+        MultiConfig("DeepSeek 16B-6L dp2 ep2", "deepseek_v3", "16B", 6, 2, 4096, dp_shard=2, ep=2, memory_budgets=("30GiB",)),
         # 8 microbatches of 1 x 4096: a stage's weights, gradients and AdamW moments unsharded (36 GiB for the first
         # stage's 2.3B parameters) leave an H100 room for the activations of the microbatches 1F1B keeps in flight
         MultiConfig("8B-16L pp2 1F1B", "llama3", "8B", 16, 8, 4096, dp_shard=1, ac="selective", pp=2, schedule="1F1B"),
