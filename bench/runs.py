@@ -73,7 +73,7 @@ MEMORY_BUDGET = ["--activation_checkpoint.mode", "memory_budget", "--activation_
 
 
 def tiny(run: Run) -> Run:
-    """The run shrunk for a CPU dry run: debug model, 64 tokens, 5 steps, fp32; CUDA-only passes dropped."""
+    """The run shrunk for a CPU dry run: debug model, 64 tokens, 5 steps, fp32 (bf16 storage too); CUDA-only passes dropped."""
     args = list(run.args)
     batch = "4"
     if "--comm.fake_world_size" in args:
@@ -88,4 +88,7 @@ def tiny(run: Run) -> Run:
     if "cudagraph" in args:
         i = args.index("cudagraph")
         del args[i - 1 : i + 1]
+    if "--training.dtype" in args:
+        i = args.index("--training.dtype")
+        del args[i : i + 2]
     return replace(run, args=args + ["--training.mixed_precision_param", "float32"])

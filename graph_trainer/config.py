@@ -62,8 +62,13 @@ class Training:
     deterministic: bool = True
     """Deterministic kernels: bitwise-reproducible runs, and traced modes bitwise equal to eager. On a GPU
     it costs speed (deterministic attention backward, no cuDNN attention)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype parameters, gradients and optimizer states are stored in (torchtitan's --training.dtype). bfloat16 trains
+    in bf16 throughout, without fp32 weights (computed in bf16, gradients still reduced in mixed_precision_reduce);
+    torchtitan's only bf16 training on a mesh of TP or PP without FSDP, where it has no mixed precision."""
     mixed_precision_param: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype parameters are gathered and computed in; auto: bfloat16 on GPU, float32 on CPU."""
+    """Dtype parameters are gathered and computed in; auto: bfloat16 on GPU, float32 on CPU (bfloat16 with
+    --training.dtype bfloat16)."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype gradients are reduced in across data-parallel ranks."""
     random_tokens: bool = False

@@ -123,18 +123,30 @@ def get_spec(name: str) -> ModelSpec:
     return _CACHE[name]
 
 
-def build_on_meta(spec: ModelSpec, args: Any, device_type: str) -> nn.Module:
-    """Build the model with meta parameters; grouped GEMMs for MoE only where the GPU has them."""
+def build_on_meta(spec: ModelSpec, args: Any, device_type: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Build the model with meta parameters of `dtype` (`--training.dtype`; torchtitan's models compute their
+    rotary tables in fp32 whatever it is); grouped GEMMs for MoE only where the GPU has them."""
     if spec.is_moe:
         args.moe_args.use_grouped_mm = device_type == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
-    with torch.device("meta"):
-        return spec.model_cls(args)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            return spec.model_cls(args)
+    finally:
+        torch.set_default_dtype(before)
 
 
-def build_to_place(spec: ModelSpec, args: Any, device_type: str, separator_id: int | None) -> nn.Module:
+def stored_dtype(cfg: Any) -> torch.dtype:
+    """The dtype `--training.dtype` stores parameters in."""
+    return getattr(torch, cfg.training.dtype)
+
+
+def build_to_place(spec: ModelSpec, args: Any, device_type: str, separator_id: int | None,
+                   dtype: torch.dtype = torch.float32) -> nn.Module:
     """A meta-device model as placement takes it: with the attention masks it builds from its tokens, which
     the solver traces its forward with (install_attention_masks)."""
-    model = build_on_meta(spec, args, device_type)
+    model = build_on_meta(spec, args, device_type, dtype)
     install_attention_masks(model, separator_id)
     return model
 

@@ -48,7 +48,7 @@ def make_plan(cfg: JobConfig) -> dict[str, Any]:
     solver_mesh = init_device_mesh("cpu", info.sizes, mesh_dim_names=info.solver_names) if info.sizes else None
     spec = models.get_spec(cfg.model.name)
     args = spec.job_args(cfg)
-    build = functools.partial(models.build_to_place, spec, args, "cpu", separator_of(cfg.model.tokenizer_path))
+    build = functools.partial(models.build_to_place, spec, args, "cpu", separator_of(cfg.model.tokenizer_path), models.stored_dtype(cfg))
     hw = select(cfg.compile.hardware, torch.device("cuda"))
     layout = layout_of(cfg.parallelism, args.n_layers, lambda: models.stage_costs(args, build(), cfg.training.seq_len))
     if layout is not None:

@@ -194,10 +194,11 @@ class GraphTrainer:
 
         spec = models.get_spec(cfg.model.name)
         args = spec.job_args(cfg, self.tokenizer)
-        reference = models.build_on_meta(spec, args, self.device.type)
+        reference = models.build_on_meta(spec, args, self.device.type, models.stored_dtype(cfg))
         mp = MixedPrecision.from_config(cfg.training, self.device.type)
         placement_start = time.perf_counter()
-        build = functools.partial(models.build_to_place, spec, args, self.device.type, document_separator(self.tokenizer))
+        build = functools.partial(models.build_to_place, spec, args, self.device.type, document_separator(self.tokenizer),
+                                  models.stored_dtype(cfg))
         model = build()
         layout = layout_of(cfg.parallelism, args.n_layers, lambda: models.stage_costs(args, reference, t.seq_len))
         if layout is not None:

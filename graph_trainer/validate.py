@@ -130,6 +130,9 @@ def check_training(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
             raise ConfigError(str(e)) from None
     if t.max_norm < 0:
         raise ConfigError(f"training.max_norm must be >= 0, got {t.max_norm}")
+    if t.dtype == "bfloat16" and t.mixed_precision_param not in ("auto", "bfloat16"):
+        raise ConfigError(f"--training.dtype bfloat16 stores and computes in bf16: drop --training.mixed_precision_param "
+                          f"{t.mixed_precision_param} (or train with --training.dtype float32)")
     if t.loss_chunk_tokens < 1:
         raise ConfigError(f"training.loss_chunk_tokens must be >= 1, got {t.loss_chunk_tokens}")
     if cfg.metrics.log_freq < 1:

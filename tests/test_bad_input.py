@@ -132,6 +132,8 @@ CASES = [
          "the vocabulary (2048) does not split evenly over dp_shard 3", world_size=3),
     Case("embedding_vocab_auto_placed", ["--parallelism.embedding", "vocab", "--compile.autoparallel", "--parallelism.dp_shard", "2"],
          "the solver places the embedding itself (--compile.autoparallel)", world_size=2),
+    Case("bf16_stored_computed_in_fp32", ["--training.dtype", "bfloat16", "--training.mixed_precision_param", "float32"],
+         "--training.dtype bfloat16 stores and computes in bf16: drop --training.mixed_precision_param float32"),
     Case("mesh_error_on_rank_1", ["--parallelism.dp_shard", "3"], "product is 4", world_size=4, proc=True),
     # training numbers
     Case("steps_zero", ["--training.steps", "0"], "training.steps must be >= 1"),

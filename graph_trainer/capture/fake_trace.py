@@ -46,7 +46,7 @@ def trace_on_fake_mesh(cfg: JobConfig, world_size: int) -> FakeTrace:
     device = torch.device("cpu")
     # Plans are for the GPU: "auto" precision resolves as it would there.
     mp = MixedPrecision.from_config(cfg.training, "cuda")
-    model = annotate_blocks(place_model(models.build_to_place(spec, args, "cpu", separator_of(cfg.model.tokenizer_path)),
+    model = annotate_blocks(place_model(models.build_to_place(spec, args, "cpu", separator_of(cfg.model.tokenizer_path), models.stored_dtype(cfg)),
                                         spec, args, meshes, mp, cfg))
     apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option, cfg.compile.mode)
     local_batch = t.batch_size // (degrees.dp * t.gradient_accumulation_steps)

@@ -49,10 +49,11 @@ class MixedPrecision:
 
     @staticmethod
     def from_config(training: Any, device_type: str) -> "MixedPrecision":
-        """`training.mixed_precision_param` "auto" is bfloat16 on GPU, float32 on CPU."""
+        """`training.mixed_precision_param` "auto" is bfloat16 on GPU, float32 on CPU, and the stored dtype where
+        that is bfloat16 (`training.dtype`)."""
         name = training.mixed_precision_param
         if name == "auto":
-            name = "bfloat16" if device_type == "cuda" else "float32"
+            name = "bfloat16" if device_type == "cuda" or training.dtype == "bfloat16" else "float32"
         return MixedPrecision(DTYPES[name], DTYPES[training.mixed_precision_reduce])
 
 
