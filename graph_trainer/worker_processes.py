@@ -36,8 +36,9 @@ def worker_count(asked: int, device_type: str) -> int:
     """How many workers `--compile.compile_workers` asks for on this rank (0: none). Auto, on a GPU rank: one per
     `THREADS` cores where the rank is alone on its node; where it shares the node, its share of the cores over
     `2 * THREADS`, since every rank compiles every piece and traces beside its workers (2 x H200, 32 cores, llama3 8B
-    cut to 16 layers at dp_shard 2: 4 workers a rank reached the first step in 18.4 s, 8 in 20.3 s, none in 27.3 s;
-    on 4 H200s, 8 a rank were slower than none: bench/results/2026-11-29-session20)."""
+    cut to 16 layers at dp_shard 2: 4 workers a rank reached the first step in 18.4 s, 8 in 20.3 s, none in 27.3 s,
+    bench/results/2026-11-29-session20; on 4 H200s, 8 a rank were slower than none, before the workers started with
+    the job: 2026-11-28-compile-workers)."""
     if asked != AUTO:
         return asked
     if device_type != "cuda":

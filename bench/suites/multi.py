@@ -186,8 +186,7 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
         replace(ours("gt full restart", c.group, FULL), warm_from="gt aot_fx_trace full"),
         # the cold compile without compile workers (passes/compile_workers.py): every piece compiled by each rank itself
         ours("gt full no compile workers", c.group, FULL + ["--compile.compile_workers", "0"]),
-        # workers on a node of several ranks, which auto does not start (passes/compile_workers.py): each rank's share of
-        # the cores, and half of it
+        # fixed numbers of compile workers a rank (auto: one per 4 cores of the rank's share of the node, 4 on 2 H200s)
         *[ours(f"gt full compile workers {n}", c.group, FULL + ["--compile.compile_workers", str(n)]) for n in (4, 8)],
         *overlapped,
         theirs("titan compile", auto, ["--compile.enable"]),
