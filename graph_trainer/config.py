@@ -124,7 +124,7 @@ class Parallelism:
     and reduce-scatters its gradient (SimpleFSDP, as every parameter); `vocab` all-gathers the ranks' token ids, looks
     them up in the rank's own rows and reduce-scatters the embeddings to their ranks (the gradient likewise), moving
     dp_shard x tokens x dim activations in place of vocab x dim weights at the two ends of the step; needs a mesh of
-    dp_shard alone and the manual placement. auto: vocab on GPUs where that moves fewer bytes (dp_shard x tokens a
+    data parallelism alone (dp_shard, with dp_replicate or not) and the manual placement. auto: vocab on GPUs where that moves fewer bytes (dp_shard x tokens a
     rank < vocab), else gather."""
     moe_capacity_factor: float = 0.0
     """Expert-parallel dispatch buffer per peer as a multiple of the even share; 0: no token is ever dropped."""

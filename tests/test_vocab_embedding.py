@@ -130,14 +130,19 @@ def test_auto_reads_in_place_on_gpus_where_it_moves_fewer_bytes(device, tokens, 
     assert not chosen("gather", Degrees(1, 2, 1, 1), 128256, tokens, False, device)
 
 
-def test_training_with_it_equals_eager_bit_for_bit_and_simple_fsdp_within_rounding():
+@pytest.mark.parametrize("ranks, mesh", [(2, ("--parallelism.dp_shard", "2")),
+                                         (4, ("--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"))],
+                         ids=["dp_shard 2", "HSDP 2 x 2"])
+def test_training_with_it_equals_eager_bit_for_bit_and_simple_fsdp_within_rounding(ranks, mesh):
+    # HSDP: the rows' gradient all-reduced over the replicas too
     from helpers import cached_train, grad_norms, losses
 
-    base = ("--parallelism.dp_shard", "2", "--training.steps", "4", "--training.deterministic", "--metrics.log_freq", "1")
+    base = (*mesh, "--training.batch_size", str(2 * ranks), "--training.steps", "4", "--training.deterministic",
+            "--metrics.log_freq", "1")
     vocab = ("--parallelism.embedding", "vocab")
-    traced = cached_train(base + vocab, nproc=2)
-    eager = cached_train(base + vocab + ("--compile.mode", "eager"), nproc=2)
-    gathered = cached_train(base + ("--parallelism.embedding", "gather"), nproc=2)
+    traced = cached_train(base + vocab, nproc=ranks)
+    eager = cached_train(base + vocab + ("--compile.mode", "eager"), nproc=ranks)
+    gathered = cached_train(base + ("--parallelism.embedding", "gather"), nproc=ranks)
     assert losses(traced) == losses(eager) and grad_norms(traced) == grad_norms(eager)
     # the embedding's gradient summed in another order (fp32): a few units in the last place of the loss
     for a, b in ((losses(traced), losses(gathered)), (grad_norms(traced), grad_norms(gathered))):

@@ -111,6 +111,13 @@ def reduce_scatter_single(tensor: torch.Tensor, reduce_op: str, scatter_dim: int
     return _waited(scatter(tensor, reduce_op, scatter_dim=scatter_dim, group=group))
 
 
+def all_reduce_single(tensor: torch.Tensor, reduce_op: str, group: tuple) -> torch.Tensor:
+    """Functional all-reduce, waited."""
+    import torch.distributed._functional_collectives as funcol
+
+    return _waited(funcol.all_reduce(tensor, reduce_op, group=group))
+
+
 def _waited(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 

@@ -10,8 +10,9 @@ Here the table stays sharded by rows over `dp_shard` (the storage, checkpoints a
 forward the ranks' token ids are all-gathered (8 bytes a token); each rank looks them up in its rows, zeroes the
 tokens outside them, and the embeddings are reduce-scattered (summed) back to the ranks whose tokens they are. In
 backward the embeddings' gradients are all-gathered and each rank accumulates its rows' gradient from every rank's
-tokens, in the reduce dtype, averaged over the ranks as SimpleFSDP's `Partial("avg")` does. That moves n x tokens x dim
-activations in place of vocab x dim weights: fewer bytes while n x tokens a rank < vocab.
+tokens, in the reduce dtype, averaged over the ranks as SimpleFSDP's `Partial("avg")` does (and all-reduced over
+`dp_replicate`, HSDP's replicas, as there). That moves n x tokens x dim activations in place of vocab x dim weights:
+fewer bytes while n x tokens a rank < vocab.
 
 Gradients equal SimpleFSDP's up to the order of the sums (a row's contributions summed over all ranks' tokens in one
 pass, against each rank's sum then the reduction across ranks); eager and traced steps run the same ops and match
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from .compat import all_gather_single, reduce_scatter_single
+from .compat import all_gather_single, all_reduce_single, reduce_scatter_single
 from .mesh import Degrees, Meshes
 from .simple_fsdp import MixedPrecision
 
@@ -40,10 +41,10 @@ def unsupported(degrees: Degrees, vocab: int, autoparallel: bool) -> str | None:
         return "the solver places the embedding itself (--compile.autoparallel)"
     if degrees.dp_shard < 2:
         return "it shards over dp_shard, which is 1"
-    others = {"dp_replicate": degrees.dp_replicate, "tp": degrees.tp, "pp": degrees.pp}
+    others = {"tp": degrees.tp, "pp": degrees.pp}
     taken = [f"{name} {n}" for name, n in others.items() if n > 1]
     if taken:
-        return f"it runs on a mesh of dp_shard alone (here also {', '.join(taken)})"
+        return f"it runs on a mesh of data parallelism alone (here also {', '.join(taken)})"
     if vocab % degrees.dp_shard:
         return f"the vocabulary ({vocab}) does not split evenly over dp_shard {degrees.dp_shard}"
     return None
@@ -64,7 +65,8 @@ class _LookUpOwnRows(torch.autograd.Function):
     from every rank's tokens (backward)."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, tokens: torch.Tensor, group: tuple, mp: MixedPrecision) -> torch.Tensor:
+    def forward(ctx: Any, rows: torch.Tensor, tokens: torch.Tensor, group: tuple, replicas: tuple | None,
+                mp: MixedPrecision) -> torch.Tensor:
         mesh, mesh_dim = group
         count = rows.shape[0]
         ids = all_gather_single(tokens.contiguous(), 0, group) - mesh.get_local_rank(mesh_dim) * count
@@ -72,29 +74,33 @@ class _LookUpOwnRows(torch.autograd.Function):
         ids = torch.where(owned, ids, 0)
         found = torch.where(owned.unsqueeze(-1), F.embedding(ids, rows.to(mp.param_dtype)), 0)
         ctx.save_for_backward(ids, owned)
-        ctx.group, ctx.count, ctx.ranks = group, count, mesh.size(mesh_dim)
+        ctx.group, ctx.replicas, ctx.count, ctx.ranks = group, replicas, count, mesh.size(mesh_dim)
         ctx.reduce_dtype, ctx.param_dtype = mp.reduce_dtype, rows.dtype
         return reduce_scatter_single(found, "sum", 0, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         ids, owned = ctx.saved_tensors
         grads = all_gather_single(grad.contiguous(), 0, ctx.group).to(ctx.reduce_dtype)
         grads = torch.where(owned.unsqueeze(-1), grads, 0)
-        summed = torch.ops.aten.embedding_dense_backward(grads, ids, ctx.count, -1, False)
-        return (summed / ctx.ranks).to(ctx.param_dtype), None, None, None
+        mean = torch.ops.aten.embedding_dense_backward(grads, ids, ctx.count, -1, False) / ctx.ranks
+        if ctx.replicas is not None:
+            mean = all_reduce_single(mean, "avg", ctx.replicas)
+        return mean.to(ctx.param_dtype), None, None, None, None
 
 
 class VocabShardedEmbedding(nn.Embedding):
     """An `nn.Embedding` whose weight is SimpleFSDP's storage (sharded by rows over `dp_shard`), read in place."""
 
     _group: tuple
+    _replicas: tuple | None
+    """(mesh, mesh dim) of dp_shard, and of dp_replicate where it has several ranks."""
     _mp: MixedPrecision
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         rows = weight.to_local() if isinstance(weight, DTensor) else weight
-        return _LookUpOwnRows.apply(rows, tokens, self._group, self._mp)
+        return _LookUpOwnRows.apply(rows, tokens, self._group, self._replicas, self._mp)
 
 
 def read_in_place(model: nn.Module, meshes: Meshes, mp: MixedPrecision) -> None:
@@ -103,8 +109,9 @@ def read_in_place(model: nn.Module, meshes: Meshes, mp: MixedPrecision) -> None:
     assert type(module).__mro__[1] is nn.Embedding, type(module)
     weight = module._parameters["weight"]
     mesh = weight.device_mesh
-    dim = mesh.mesh_dim_names.index("dp_shard")
+    dim, replicas = mesh.mesh_dim_names.index("dp_shard"), mesh.mesh_dim_names.index("dp_replicate")
     assert weight.placements[dim] == Shard(0), weight.placements
     del module._fsdp_gathers
     module.__class__ = VocabShardedEmbedding
     module._group, module._mp = (mesh, dim), mp
+    module._replicas = (mesh, replicas) if mesh.size(replicas) > 1 else None
