@@ -95,6 +95,15 @@ def _launch_in_zygote(path: str, cmd: list[str], args: list[str], nproc: int, en
         return subprocess.CompletedProcess(cmd, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
 
 
+def ranks_report(test_file: str, nproc: int = 2) -> list[str]:
+    """Run a test module's `__main__` under torchrun on `nproc` gloo ranks; the words its ranks printed, sorted (one
+    `rank<r>:<checks>` each). Fails the test with the ranks' stderr where one failed."""
+    proc = subprocess.run([*torchrun(nproc), str(REPO / "tests" / test_file)], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return sorted(proc.stdout.split())
+
+
 def run_train(args: list[str], dump_folder: Path, nproc: int = 1, timeout: int = TIMEOUT_S) -> list[dict]:
     """Train and return the metrics records; fails the test with the run's output tail on error."""
     proc = launch(["train", "--job.dump_folder", str(dump_folder), *args], nproc=nproc, timeout=timeout)

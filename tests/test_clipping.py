@@ -63,15 +63,9 @@ def _check_every_case() -> int:
 
 
 def test_equals_torchtitans_clip_bit_for_bit_on_two_ranks():
-    from helpers import REPO, child_env
-    import subprocess
+    from helpers import ranks_report
 
-    from graph_trainer.compare import torchrun
-
-    proc = subprocess.run([*torchrun(2), str(REPO / "tests" / "test_clipping.py")], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert sorted(proc.stdout.split()) == [f"rank{r}:{CASES}" for r in (0, 1)], proc.stdout
+    assert ranks_report("test_clipping.py") == [f"rank{r}:{CASES}" for r in (0, 1)]
 
 
 if __name__ == "__main__":

@@ -64,16 +64,9 @@ def _check_on_two_ranks() -> int:
 
 
 def test_each_rank_gets_its_tokens_rows_and_its_rows_gradient_bit_for_bit_on_two_ranks():
-    import subprocess
+    from helpers import ranks_report
 
-    from helpers import REPO, child_env
-
-    from graph_trainer.compare import torchrun
-
-    proc = subprocess.run([*torchrun(2), str(REPO / "tests" / "test_vocab_embedding.py")], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert sorted(proc.stdout.split()) == [f"rank{r}:{len(PRECISIONS)}" for r in (0, 1)], proc.stdout
+    assert ranks_report("test_vocab_embedding.py") == [f"rank{r}:{len(PRECISIONS)}" for r in (0, 1)]
 
 
 @pytest.fixture
