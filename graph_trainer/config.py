@@ -123,8 +123,8 @@ class Parallelism:
     """How a rank reads the token embedding, sharded by rows over dp_shard: `gather` all-gathers it where it is read
     and reduce-scatters its gradient (SimpleFSDP, as every parameter); `vocab` all-gathers the ranks' token ids, looks
     them up in the rank's own rows and reduce-scatters the embeddings to their ranks (the gradient likewise), moving
-    dp_shard x tokens x dim activations in place of vocab x dim weights at the two ends of the step; needs a mesh of
-    data parallelism alone (dp_shard, with dp_replicate or not) and the manual placement. auto: vocab on GPUs where that moves fewer bytes (dp_shard x tokens a
+    dp_shard x tokens x dim activations in place of vocab x dim weights at the two ends of the step; needs the manual
+    placement and no tp (dp_replicate and pp are fine). auto: vocab on GPUs where that moves fewer bytes (dp_shard x tokens a
     rank < vocab), else gather."""
     moe_capacity_factor: float = 0.0
     """Expert-parallel dispatch buffer per peer as a multiple of the even share; 0: no token is ever dropped."""

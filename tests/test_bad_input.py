@@ -127,7 +127,7 @@ CASES = [
     Case("batch_not_sharding_over_microbatches", ["--training.batch_size", "4", "--training.gradient_accumulation_steps", "3"], "use a multiple of 3"),
     Case("embedding_vocab_without_dp_shard", ["--parallelism.embedding", "vocab"], "it shards over dp_shard, which is 1; use --parallelism.embedding gather"),
     Case("embedding_vocab_beside_tp", ["--parallelism.embedding", "vocab", "--parallelism.dp_shard", "2", "--parallelism.tp", "2"],
-         "runs on a mesh of data parallelism alone (here also tp 2)", world_size=4),
+         "tp 2 shards the embedding's rows itself", world_size=4),
     Case("embedding_vocab_uneven", ["--parallelism.embedding", "vocab", "--parallelism.dp_shard", "3", "--training.batch_size", "3"],
          "the vocabulary (2048) does not split evenly over dp_shard 3", world_size=3),
     Case("embedding_vocab_auto_placed", ["--parallelism.embedding", "vocab", "--compile.autoparallel", "--parallelism.dp_shard", "2"],

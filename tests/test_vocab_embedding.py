@@ -124,10 +124,11 @@ def test_auto_reads_in_place_on_gpus_where_it_moves_fewer_bytes(device, tokens, 
 
 
 @pytest.mark.parametrize("ranks, mesh", [(2, ("--parallelism.dp_shard", "2")),
-                                         (4, ("--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"))],
-                         ids=["dp_shard 2", "HSDP 2 x 2"])
+                                         (4, ("--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2")),
+                                         (4, ("--parallelism.pp", "2", "--parallelism.dp_shard", "2"))],
+                         ids=["dp_shard 2", "HSDP 2 x 2", "pp 2 x dp_shard 2"])
 def test_training_with_it_equals_eager_bit_for_bit_and_simple_fsdp_within_rounding(ranks, mesh):
-    # HSDP: the rows' gradient all-reduced over the replicas too
+    # HSDP: the rows' gradient all-reduced over the replicas too; pp: the first stage looks up each microbatch
     from helpers import cached_train, grad_norms, losses
 
     base = (*mesh, "--training.batch_size", str(2 * ranks), "--training.steps", "4", "--training.deterministic",

@@ -41,10 +41,8 @@ def unsupported(degrees: Degrees, vocab: int, autoparallel: bool) -> str | None:
         return "the solver places the embedding itself (--compile.autoparallel)"
     if degrees.dp_shard < 2:
         return "it shards over dp_shard, which is 1"
-    others = {"tp": degrees.tp, "pp": degrees.pp}
-    taken = [f"{name} {n}" for name, n in others.items() if n > 1]
-    if taken:
-        return f"it runs on a mesh of data parallelism alone (here also {', '.join(taken)})"
+    if degrees.tp > 1:
+        return f"tp {degrees.tp} shards the embedding's rows itself (tensor parallelism's vocab-parallel lookup)"
     if vocab % degrees.dp_shard:
         return f"the vocabulary ({vocab}) does not split evenly over dp_shard {degrees.dp_shard}"
     return None
@@ -104,8 +102,11 @@ class VocabShardedEmbedding(nn.Embedding):
 
 
 def read_in_place(model: nn.Module, meshes: Meshes, mp: MixedPrecision) -> None:
-    """Make the model's token embedding, already under SimpleFSDP, a `VocabShardedEmbedding`."""
-    module = getattr(model, MODULE)
+    """Make the model's token embedding, already under SimpleFSDP, a `VocabShardedEmbedding` (a pipeline rank whose
+    stages hold none has nothing to change)."""
+    module = getattr(model, MODULE, None)
+    if module is None:
+        return
     assert type(module).__mro__[1] is nn.Embedding, type(module)
     weight = module._parameters["weight"]
     mesh = weight.device_mesh
