@@ -47,7 +47,7 @@ def _check_on_two_ranks() -> int:
         stored = model.tok_embeddings._parameters["weight"]
         rows = table.chunk(2)[rank].clone()
         model.tok_embeddings._parameters["weight"] = nn.Parameter(DTensor.from_local(rows, stored.device_mesh, stored.placements))
-        read_in_place(model, meshes, mp)
+        read_in_place(model, mp)
         assert type(model.tok_embeddings) is VocabShardedEmbedding
 
         tokens, grad = _rank_inputs(rank)

@@ -25,7 +25,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, mp: MixedPrec
         prepare_moe(model, meshes, moe_capacity_factor, moe_chunks)
     model = apply_simple_fsdp(model, meshes, mp)
     if embedding_by_vocab:
-        read_in_place(model, meshes, mp)
+        read_in_place(model, mp)
     return model
 
 

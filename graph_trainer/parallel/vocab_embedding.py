@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from .compat import all_gather_single, all_reduce_single, reduce_scatter_single
-from .mesh import Degrees, Meshes
+from .mesh import Degrees
 from .simple_fsdp import MixedPrecision
 
 MODULE = "tok_embeddings"
@@ -101,7 +101,7 @@ class VocabShardedEmbedding(nn.Embedding):
         return _LookUpOwnRows.apply(rows, tokens, self._group, self._replicas, self._mp)
 
 
-def read_in_place(model: nn.Module, meshes: Meshes, mp: MixedPrecision) -> None:
+def read_in_place(model: nn.Module, mp: MixedPrecision) -> None:
     """Make the model's token embedding, already under SimpleFSDP, a `VocabShardedEmbedding` (a pipeline rank whose
     stages hold none has nothing to change)."""
     module = getattr(model, MODULE, None)
