@@ -128,13 +128,10 @@ def build_on_meta(spec: ModelSpec, args: Any, device_type: str, dtype: torch.dty
     rotary tables in fp32 whatever it is); grouped GEMMs for MoE only where the GPU has them."""
     if spec.is_moe:
         args.moe_args.use_grouped_mm = device_type == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            return spec.model_cls(args)
-    finally:
-        torch.set_default_dtype(before)
+    from torchtitan.tools.utils import set_default_dtype
+
+    with torch.device("meta"), set_default_dtype(dtype):
+        return spec.model_cls(args)
 
 
 def stored_dtype(cfg: Any) -> torch.dtype:

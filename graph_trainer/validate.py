@@ -478,7 +478,7 @@ def check_embedding(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
     from .parallel.vocab_embedding import unsupported
 
     vocab = models.get_spec(cfg.model.name).job_args(cfg).vocab_size
-    why = unsupported(Degrees(*degrees, pp=cfg.parallelism.pp), vocab, cfg.compile.autoparallel)
+    why = unsupported(Degrees(*degrees), vocab, cfg.compile.autoparallel)
     if why:
         raise ConfigError(f"--parallelism.embedding vocab cannot run here: {why}; use --parallelism.embedding gather (or auto)")
 

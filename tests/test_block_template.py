@@ -21,8 +21,7 @@ from graph_trainer.capture.fake_trace import trace_on_fake_mesh
 from graph_trainer.compile_cache import graph_fingerprint
 from graph_trainer.config import parse_args
 from graph_trainer.losses import cross_entropy
-from graph_trainer.passes import block_compile
-from graph_trainer.passes.block_compile import plan_pieces
+from graph_trainer.passes.block_compile import plan_pieces, runs_as_fx
 from graph_trainer.train_step import FunctionalTrainStep, named_buffers
 
 EIGHT = ("--model.n_layers", "8")
@@ -123,7 +122,7 @@ def test_the_in_graph_optimizers_gradient_norm_runs_as_fx_and_its_update_is_comp
         return any(n.target is op for n in members[0].module.graph.nodes)
 
     norm = [members for members in plan.groups if holds(members, torch.ops.aten._foreach_norm.Scalar)]
-    assert len(norm) == 1 and block_compile.runs_as_fx(norm[0])
+    assert len(norm) == 1 and runs_as_fx(norm[0])
     assert not any(holds(members, torch.ops.aten._foreach_norm.Scalar) for members in plan.compiled_groups)
     assert any(holds(members, torch.ops.aten.lerp.Scalar) for members in plan.compiled_groups)
 

@@ -118,7 +118,7 @@ def tokens_in_vocab_shard(tokens: torch.Tensor, embedding_weight: torch.Tensor, 
         return tokens
     mesh = embedding_weight.device_mesh
     for mesh_dim, (name, placement) in enumerate(zip(mesh.mesh_dim_names, embedding_weight.placements)):
-        if name in dims and placement == Shard(0) and mesh.size(mesh_dim) > 1:
+        if name in dims and placement == Shard(0):
             shards, shard = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
             rows, first = Shard.local_shard_size_and_offset(embedding_weight.shape[0], shards, shard)
             # a rank past the end of an uneven split holds no row: no token can be its own there

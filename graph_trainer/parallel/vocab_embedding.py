@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from .compat import all_gather_single, all_reduce_single, reduce_scatter_single
 from .mesh import Degrees
@@ -96,9 +96,7 @@ class VocabShardedEmbedding(nn.Embedding):
     _mp: MixedPrecision
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        rows = weight.to_local() if isinstance(weight, DTensor) else weight
-        return _LookUpOwnRows.apply(rows, tokens, self._group, self._replicas, self._mp)
+        return _LookUpOwnRows.apply(self.weight.to_local(), tokens, self._group, self._replicas, self._mp)
 
 
 def read_in_place(model: nn.Module, mp: MixedPrecision) -> None:
