@@ -170,8 +170,9 @@ class Compile:
     mode: Literal["eager", "jit", "aot", "aot_fx_trace"] = "aot_fx_trace"
     """How the train step is captured (aot_fx_trace: forward, loss and backward as one traced graph)."""
     passes: list[str] = field(default_factory=list)
-    """Graph passes in order, comma separated (see --compile.list_passes). Empty: the overlap schedule in multi-rank
-    aot_fx_trace (separate_gather_group, transformer_block_bucketing), nothing otherwise; `none`: no pass."""
+    """Graph passes in order, comma separated (see --compile.list_passes). Empty: in multi-rank aot_fx_trace the overlap
+    schedule where parameters are sharded (separate_gather_group, transformer_block_bucketing), then async_tp with tp on
+    GPUs; nothing otherwise; `none`: no pass."""
     inductor_compilation: Literal["auto", "none", "regional", "full", "autoparallel_backend"] = "auto"
     """Backend the traced train step goes to; auto = full (whole-step Inductor) on GPUs, none (FX) on CPU."""
     autoparallel: bool = False

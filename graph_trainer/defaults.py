@@ -7,9 +7,10 @@ the validator checks, the trainer runs and `config.toml` records the same config
 - `--compile.passes` left empty in a multi-rank aot_fx_trace job whose parameters are sharded: the
   overlap schedule, `separate_gather_group` (all-gathers on their own communicator) then
   `transformer_block_bucketing` (one bucket per block, prefetch chosen by the cost model); with
-  `autoparallel_backend`, whose own scheduling pass buckets, only the first. `--compile.passes none`
-  runs the step without any pass of ours; any other list is taken as it is. With pipeline parallelism
-  the default is no pass.
+  `autoparallel_backend`, whose own scheduling pass buckets, only the first; on GPUs with tp > 1,
+  then `async_tp` (1.04x over the step without it at llama3 8B-16L tp 2 on 2 H200s:
+  bench/results/2026-11-29-session21). `--compile.passes none` runs the step without any pass of
+  ours; any other list is taken as it is. With pipeline parallelism the default is no pass.
 """
 
 from __future__ import annotations
@@ -39,21 +40,27 @@ def _sharded(cfg: JobConfig, world_size: int) -> bool:
     return world_size > 1 and resolve_degrees(p.dp_replicate, p.dp_shard, p.tp, p.ep, world_size, p.pp).dp_shard > 1
 
 
-def _passes(cfg: JobConfig, backend: str, world_size: int) -> list[str]:
+def _passes(cfg: JobConfig, backend: str, world_size: int, device_type: str) -> list[str]:
     passes = list(cfg.compile.passes)
     if passes == [NO_PASSES]:
         return []
     # the overlap schedule plans over a whole-step graph; pipeline stages are graphs of part of a step
-    if passes or cfg.compile.mode != "aot_fx_trace" or not _sharded(cfg, world_size) or cfg.parallelism.pp > 1:
+    if passes or cfg.compile.mode != "aot_fx_trace" or cfg.parallelism.pp > 1:
         return passes
-    return list(OVERLAP_SCHEDULE[:1] if backend == "autoparallel_backend" else OVERLAP_SCHEDULE)
+    schedule = OVERLAP_SCHEDULE[:1] if backend == "autoparallel_backend" else OVERLAP_SCHEDULE
+    # symmetric memory's fused ops need real CUDA peers; elsewhere the chunked lowering only adds copies (gloo's
+    # collectives do not run beside the matmuls; fake ones move nothing)
+    real_gpus = device_type == "cuda" and cfg.comm.mode == "real"
+    tp = ["async_tp"] if real_gpus and world_size > 1 and cfg.parallelism.tp > 1 else []
+    return [*(schedule if _sharded(cfg, world_size) else ()), *tp]
 
 
 def resolve(cfg: JobConfig, device_type: str, world_size: int) -> JobConfig:
     """A copy of `cfg` with every `auto` setting decided. Run once per job: an empty pass list
     resolves to the schedule, so a resolved `none` is recorded as such (`for_record`)."""
     backend = resolved_backend(cfg, device_type)
-    compile_ = dataclasses.replace(cfg.compile, inductor_compilation=backend, passes=_passes(cfg, backend, world_size))
+    compile_ = dataclasses.replace(cfg.compile, inductor_compilation=backend,
+                                   passes=_passes(cfg, backend, world_size, device_type))
     return dataclasses.replace(cfg, compile=compile_)
 
 

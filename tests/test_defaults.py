@@ -25,8 +25,14 @@ def test_auto_backend_and_schedule_resolve_per_device_and_ranks():
     assert resolve(cfg, "cpu", 1).compile.inductor_compilation == "none"
     assert resolve(cfg, "cpu", 1).compile.passes == []
     assert resolve(cfg, "cuda", 8).compile.passes == list(OVERLAP_SCHEDULE)
-    # tensor parallelism alone shards no parameter over data-parallel ranks: nothing to schedule
-    assert resolve(parse_args(["--parallelism.tp", "2", "--parallelism.dp_shard", "1"]), "cuda", 2).compile.passes == []
+    # tensor parallelism alone shards no parameter over data-parallel ranks: no schedule, and on real GPUs async TP
+    # (symmetric memory's fused ops); not on CPU, nor with fake communication (no peers), nor with pipeline stages
+    tp = ["--parallelism.tp", "2", "--parallelism.dp_shard", "1"]
+    assert resolve(parse_args(tp), "cuda", 2).compile.passes == ["async_tp"]
+    assert resolve(parse_args(tp), "cpu", 2).compile.passes == []
+    assert resolve(parse_args([*tp, "--comm.mode", "fake", "--comm.fake_world_size", "2"]), "cuda", 2).compile.passes == []
+    assert resolve(parse_args(["--parallelism.tp", "2", "--parallelism.pp", "2"]), "cuda", 4).compile.passes == []
+    assert resolve(parse_args(["--parallelism.tp", "2"]), "cuda", 8).compile.passes == [*OVERLAP_SCHEDULE, "async_tp"]
     ap = parse_args(["--compile.inductor_compilation", "autoparallel_backend"])
     assert resolve(ap, "cuda", 8).compile.passes == ["separate_gather_group"]
     # the user's list is taken as it is; `none` is no pass at all, and is recorded as such
@@ -59,7 +65,8 @@ def test_production_configs_validate_for_their_gpu_counts(name):
     for gpus in _gpu_counts(path):
         validate(cfg, world_size=gpus, device_type="cuda")
         resolved = resolve(cfg, "cuda", gpus)
-        assert resolved.compile.inductor_compilation == "full" and resolved.compile.passes == list(OVERLAP_SCHEDULE)
+        tp = ["async_tp"] if cfg.parallelism.tp > 1 else []
+        assert resolved.compile.inductor_compilation == "full" and resolved.compile.passes == [*OVERLAP_SCHEDULE, *tp]
 
 
 RUN = ("--training.steps", "3", "--training.batch_size", "4", "--training.seq_len", "64", "--metrics.log_freq", "1")

@@ -20,8 +20,8 @@ from graph_trainer.train_step import FunctionalTrainStep, named_buffers
 SEQ_LEN = 64
 
 
-def trace_step(model: str, dp_shard: int, tp: int, ep: int, *flags: str) -> tuple[fx.GraphModule, PassContext]:
-    """The debug model's step with a global batch of 4 (needs a fake process group of dp_shard * tp ranks)."""
+def trace_step(model: str, dp_shard: int, tp: int, ep: int, *flags: str, batch: int = 4) -> tuple[fx.GraphModule, PassContext]:
+    """The debug model's step with a global batch of `batch` (needs a fake process group of dp_shard * tp ranks)."""
     cfg = parse_args(["--model.name", model, "--compile.mode", "aot_fx_trace", "--parallelism.dp_shard", str(dp_shard),
                       "--parallelism.tp", str(tp), "--parallelism.ep", str(ep), *flags])
     meshes = build_meshes(resolve_degrees(1, dp_shard, tp, ep, dp_shard * tp), "cpu")
@@ -33,7 +33,7 @@ def trace_step(model: str, dp_shard: int, tp: int, ep: int, *flags: str) -> tupl
     step = FunctionalTrainStep(placed, cross_entropy)
     params = [p.to_local() for p in placed.parameters()]
     _, buffers = named_buffers(placed)
-    tokens = torch.zeros(4 // dp_shard, SEQ_LEN, dtype=torch.long, device="meta")
+    tokens = torch.zeros(batch // dp_shard, SEQ_LEN, dtype=torch.long, device="meta")
     gm = trace_train_step(step, params, buffers, tokens, tokens, torch.device("cpu"))
     ctx = PassContext(cfg=cfg, meshes=meshes, device=torch.device("cpu"), num_params=len(params),
                       num_buffers=len(buffers), param_fqns=[s.fqn for s in step.specs])

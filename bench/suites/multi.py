@@ -150,21 +150,23 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
                 ours("gt aot_fx_trace full", c.group, FULL + titan_split, profile=True),
                 theirs("titan eager", c.group, []), ours("gt eager", c.group, ["--compile.mode", "eager"] + titan_split)]
     auto = f"{c.group} auto"
-    # async_tp and ep_overlap (issue 33) on top of the overlap schedule, beside torchtitan compile with its async TP
-    schedule = ["separate_gather_group", "transformer_block_bucketing"] if c.dp_shard > 1 else []
-    overlap = [*(["async_tp"] if c.tp > 1 else []), *(["ep_overlap"] if c.ep > 1 else [])]
+    # async_tp (issue 33; on by default with tp on GPUs) against the same step without it, beside torchtitan compile with
+    # its async TP; ep_overlap on top of the default passes
+    default = [*(["separate_gather_group", "transformer_block_bucketing"] if c.dp_shard > 1 else []),
+               *(["async_tp"] if c.tp > 1 else [])]
     overlapped = [
-        *([theirs("titan compile async TP", c.group, ["--compile.enable", "--parallelism.enable_async_tensor_parallel"])]
-          if c.tp > 1 else []),
-        ours(f"gt full {'+'.join(overlap)}", c.group, FULL + ["--compile.passes", ",".join(schedule + overlap)], profile=True),
-    ] if overlap else []
+        theirs("titan compile async TP", c.group, ["--compile.enable", "--parallelism.enable_async_tensor_parallel"]),
+        ours("gt full no async_tp", c.group, FULL + ["--compile.passes", ",".join(default[:-1]) or "none"], profile=True),
+    ] if c.tp > 1 else []
+    overlapped += [ours("gt full ep_overlap", c.group, FULL + ["--compile.passes", ",".join([*default, "ep_overlap"])],
+                        profile=True)] if c.ep > 1 else []
     # MoE with the capacity of configs/deepseek_v3_16b.toml: without a limit each peer's dispatch buffer holds every
     # routed pair of the rank, ep x torchtitan's all-to-all bytes (0.94x torchtitan compile at dp_shard 4 x ep 4 on
     # 4 H100s, bench/results/2026-11-27-deepseek-dp4-ep4); at 2.0, 2x, with the drops counted in `dropped_tokens`
     # (1.10x, and 1.06x with ep_overlap: bench/results/2026-11-28-deepseek-capacity-and-pp-gather)
     capacity_2 = ["--parallelism.moe_capacity_factor", "2.0"]
     capacity = [ours("gt full capacity 2", c.group, FULL + capacity_2, profile=True),
-                ours("gt full ep_overlap capacity 2", c.group, FULL + capacity_2 + ["--compile.passes", ",".join(schedule + overlap)],
+                ours("gt full ep_overlap capacity 2", c.group, FULL + capacity_2 + ["--compile.passes", ",".join([*default, "ep_overlap"])],
                      profile=True)] if c.ep > 1 else []
     # the best manual configuration: aot_fx_trace, full Inductor and the default multi-rank overlap schedule
     return [

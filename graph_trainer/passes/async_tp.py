@@ -4,8 +4,9 @@ that follows a row-parallel matmul, micro-pipelined so that communication overla
 Sites, as DTensor's sequence-parallel plans trace them (llama3, Qwen3, DeepSeek V3's attention and
 dense MLPs):
 - gather: `all_gather(x) -> wait [-> split(dim 0) -> cat(dim d)] -> view(rows, k) -> mm(., B_i)` for
-  one or more B_i (wq, wk, wv share one gathered input; w1 and w3 another). The gathered activation
-  also stays an output: backward's weight gradients read it.
+  one or more B_i (wq, wk, wv share one gathered input; w1 and w3 another); with a batch of one,
+  `all_gather(x) -> wait -> view(1, ranks * s, k)` in place of the split and cat. The gathered
+  activation also stays an output: backward's weight gradients read it.
 - scatter: `mm(A, B) -> view [-> split(dim d) -> cat(dim 0)] -> reduce_scatter(sum)`.
 Only gathers and scatters along a dimension other than the last (the rows of the matmul) qualify; a
 gather of the contraction or vocabulary dimension (the output projection's logits) is left alone, as
@@ -100,6 +101,18 @@ def _rows_dim(dim: int, ndim: int) -> int | None:
     return dim if ndim >= 2 and dim < ndim - 1 else None
 
 
+def _batch_of_one(start: fx.Node, wait: fx.Node) -> fx.Node | None:
+    """The view that makes a gather along the sequence of a batch of one out of the gather along dim 0:
+    [1, s, ...] gathered to [ranks, s, ...] and viewed as [1, ranks * s, ...], the same memory (DTensor
+    leaves out the split and cat where the batch is 1)."""
+    local, whole = start.args[0].meta["val"].shape, wait.meta["val"].shape
+    users = list(wait.users)
+    if len(local) < 3 or local[0] != 1 or len(users) != 1 or users[0].target not in _VIEWS:
+        return None
+    view = users[0]
+    return view if list(view.meta["val"].shape) == [1, whole[0] * whole[1], *whole[2:]] else None
+
+
 def find_gather_sites(gm: fx.GraphModule) -> list[GatherSite]:
     sites = []
     for start in gm.graph.find_nodes(op="call_function", target=ALL_GATHER):
@@ -109,10 +122,11 @@ def find_gather_sites(gm: fx.GraphModule) -> list[GatherSite]:
         cat = _split_cat(wait, 0, None)
         if cat is not None and len(cat.args[0]) != start.args[1]:
             continue
-        gathered = cat if cat is not None else wait
+        merged = _batch_of_one(start, wait) if cat is None else None
+        gathered = cat or merged or wait
         between = [*cat.args[0], cat.args[0][0].args[0]] if cat is not None else []
         ndim = gathered.meta["val"].dim()
-        dim = _rows_dim(cat.args[1] if cat is not None and len(cat.args) > 1 else 0, ndim)
+        dim = 1 if merged is not None else _rows_dim(cat.args[1] if cat is not None and len(cat.args) > 1 else 0, ndim)
         if dim is None:
             continue
         width = gathered.meta["val"].shape[-1]
@@ -120,7 +134,7 @@ def find_gather_sites(gm: fx.GraphModule) -> list[GatherSite]:
                    and list(view.meta["val"].shape) == [gathered.meta["val"].numel() // width, width]
                    for mm in view.users if mm.target is aten.mm.default and mm.args[0] is view]
         if matmuls:
-            chain = [*([gathered] if cat is not None else []), *between, wait, start]
+            chain = [*([gathered] if gathered is not wait else []), *between, wait, start]
             sites.append(GatherSite(start, gathered, dim, matmuls, chain))
     return sites
 
