@@ -25,6 +25,9 @@ from .graph_dump import is_collective
 from .regions import ancestors, annotate_module
 
 BLOCK_KEY = "block"
+CHECKPOINTED_KEY = "checkpointed"
+"""Set beside the block's index on the blocks torchtitan's activation-checkpoint wrappers wrap whole
+(`parallel.apply_activation_checkpointing`): what `passes/checkpoint_tags.py` tags for recomputation."""
 UPDATE_KEY = "update"
 """With the optimizer traced in (capture/optimizer_in_graph.py) each parameter's update is marked with
 the parameter's index: the updates of parameters of one shape are the same ops, so the block-reuse

@@ -71,7 +71,7 @@ def trace_llama(*flags: str, optimizer_in_graph: bool = False, param_dtype: torc
                         MixedPrecision(param_dtype, torch.float32), cfg)
     annotate_blocks(model)
     ac = cfg.activation_checkpoint
-    apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, cfg.compile.mode)
+    apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, cfg.compile.mode, cfg.parallelism.pp)
     step = FunctionalTrainStep(model, cross_entropy)
     params = [p.to_local() for p in model.parameters()]
     _, buffers = named_buffers(model)

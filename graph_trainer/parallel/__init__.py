@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from ..blocks import CHECKPOINTED_KEY
 from ..models import ModelSpec
+from ..regions import annotate_module
 from .mesh import Meshes
 from .simple_fsdp import MixedPrecision, apply_simple_fsdp
 from .tensor_parallel import apply_tensor_parallel
@@ -40,17 +43,28 @@ OP_SAC_SAVE_LIST = {
 """Ops whose outputs op-level selective AC saves (of matmuls, every other one): torchtitan's list."""
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, option: str, compile_mode: str) -> None:
+def apply_activation_checkpointing(model: nn.Module, mode: str, option: str, compile_mode: str, pp: int) -> None:
     """torchtitan's checkpoint wrappers, except where the `memory_policy` pass decides on the traced
-    step instead: `memory_budget`, and op-level selective AC in aot_fx_trace, where make_fx would
-    only tag the ops (no partitioner reads tags in one train-step graph); the pass reads the block
+    step instead: `memory_budget`, and op-level selective AC in a whole-step aot_fx_trace, where make_fx
+    would only tag the ops (no partitioner reads tags in one train-step graph); the pass reads the block
     marks (`blocks.annotate_blocks`, which whoever traces the model applies) and keeps its
-    recomputations within a block."""
+    recomputations within a block. Pipeline stages are joint graphs, partitioned as aot's: the
+    wrappers' tags (`passes/checkpoint_tags.py`) tell the partitioner."""
     if mode == "none":
         return
-    if mode == "memory_budget" or mode == "selective" and option == "op" and compile_mode == "aot_fx_trace":
+    if mode == "memory_budget" or mode == "selective" and option == "op" and compile_mode == "aot_fx_trace" and pp == 1:
         return
     from torchtitan.config import ActivationCheckpoint as TitanAC
     from torchtitan.distributed.activation_checkpoint import apply_ac
 
     apply_ac(model, TitanAC(mode=mode, selective_ac_option=option), op_sac_save_list=OP_SAC_SAVE_LIST)
+    if checkpoints_whole_blocks(mode, option):
+        for block in model.layers.values():
+            if isinstance(block, CheckpointWrapper):
+                annotate_module(block, {CHECKPOINTED_KEY: True})
+
+
+def checkpoints_whole_blocks(mode: str, option: str) -> bool:
+    """Whether torchtitan's wrappers checkpoint whole blocks (full AC, or selective AC by layer frequency)
+    rather than choosing op by op."""
+    return mode == "full" or mode == "selective" and option != "op"

@@ -88,12 +88,12 @@ MAX_MISSES = 8
 
 
 def policy_name(cfg: Any) -> str | None:
-    """Which policy the config asks of this pass, or None (op-level selective AC in aot is torch's
-    own: the partitioner reads the tags torchtitan's wrappers set)."""
+    """Which policy the config asks of this pass, or None (op-level selective AC in aot and in pipeline
+    stages is torch's own: the partitioner reads the tags torchtitan's wrappers set, `checkpoint_tags`)."""
     ac = cfg.activation_checkpoint
     if ac.mode == "memory_budget":
         return "memory_budget"
-    if ac.mode == "selective" and ac.selective_ac_option == "op" and cfg.compile.mode == "aot_fx_trace":
+    if ac.mode == "selective" and ac.selective_ac_option == "op" and cfg.compile.mode == "aot_fx_trace" and cfg.parallelism.pp == 1:
         return "op"
     return None
 
@@ -113,8 +113,13 @@ def offload_mode(cfg: Any) -> str:
 
 def activation_passes(cfg: Any) -> list[str]:
     """The passes `--activation_checkpoint` adds in front of the backend's (validated with them)."""
-    pointwise = cfg.compile.mode == "aot_fx_trace" and cfg.activation_checkpoint.recompute_pointwise
-    return (["recompute_pointwise"] if pointwise else []) + (["memory_policy"] if policy_name(cfg) else [])
+    ac = cfg.activation_checkpoint
+    pointwise = cfg.compile.mode == "aot_fx_trace" and ac.recompute_pointwise
+    # joint graphs (aot, pipeline stages) hold no recomputation of a wrapped block until tagged
+    joint = cfg.compile.mode == "aot" or cfg.compile.mode == "aot_fx_trace" and cfg.parallelism.pp > 1
+    tags = joint and ac.mode in ("full", "selective") and policy_name(cfg) is None
+    return ((["checkpoint_tags"] if tags else []) + (["recompute_pointwise"] if pointwise else [])
+            + (["memory_policy"] if policy_name(cfg) else []))
 
 
 def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callable[[fx.Node], float],
