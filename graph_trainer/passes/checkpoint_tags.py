@@ -13,7 +13,8 @@ from the block marks (`blocks.CHECKPOINTED_KEY`, set on the wrapped blocks):
 is computed from activations, except the block's outputs to the rest of the forward (the residual
 stream the next op outside the block reads, which eager saves as that op's input). Ops computed from
 parameters alone (a gathered weight, its cast) are `reshard_after_forward`'s; an op already tagged
-keeps its tag. Op-level selective AC's wrappers do tag their ops while AOTAutograd traces, each with
+keeps its tag. Ops that draw random numbers (attention) are saved, never recomputed (`_seeded`): a
+checkpointed block keeps its attention's outputs, as op-level selective AC does. Op-level selective AC's wrappers do tag their ops while AOTAutograd traces, each with
 the policy's save or recompute, but with no region id outside Dynamo, which the partitioner compares
 (torch 2.13: "'>' not supported between instances of 'NoneType'"): they get their block's. Their
 tag also stays in the tracer's current node meta past the region, on backward ops and on the forward
@@ -23,6 +24,9 @@ those tags (no region id, outside a block's forward) are dropped.
 
 from __future__ import annotations
 
+import operator
+
+import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -34,6 +38,14 @@ FLAG = "--activation_checkpoint.mode"
 
 def _checkpointed(node: fx.Node) -> bool:
     return bool((node.meta.get("custom") or {}).get(CHECKPOINTED_KEY))
+
+
+def _seeded(node: fx.Node) -> bool:
+    """An op that draws random numbers (attention, for its dropout): recomputing it takes the partitioner's RNG
+    functionalization, whose `run_and_save_rng_state` the Inductor decomposition cannot trace ("no rule registered
+    for HigherOrderOperator run_and_save_rng_state and mode FunctionalTensorMode", CPU; on 2 H200s the stage
+    compile did not end within 150 s)."""
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
 def _is_tangent(node: fx.Node) -> bool:
@@ -58,6 +70,9 @@ def checkpoint_tags(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     tagged: set[int] = set()
     for node in gm.graph.nodes:
         block = node_block(node)
+        if node not in backward and (_seeded(node) or node.target is operator.getitem and _seeded(node.args[0])):
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            continue
         if "recompute" in node.meta:
             if node.meta.get("ac_graph_id") is None:
                 if block is None or node in backward:
