@@ -58,13 +58,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, option: str, com
     from torchtitan.distributed.activation_checkpoint import apply_ac
 
     apply_ac(model, TitanAC(mode=mode, selective_ac_option=option), op_sac_save_list=OP_SAC_SAVE_LIST)
-    if checkpoints_whole_blocks(mode, option):
+    # op-level selective AC wraps every block too, but saves or recomputes op by op (its own tags)
+    if mode == "full" or option != "op":
         for block in model.layers.values():
             if isinstance(block, CheckpointWrapper):
                 annotate_module(block, {CHECKPOINTED_KEY: True})
-
-
-def checkpoints_whole_blocks(mode: str, option: str) -> bool:
-    """Whether torchtitan's wrappers checkpoint whole blocks (full AC, or selective AC by layer frequency)
-    rather than choosing op by op."""
-    return mode == "full" or mode == "selective" and option != "op"

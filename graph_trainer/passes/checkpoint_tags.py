@@ -14,12 +14,14 @@ is computed from activations, except the block's outputs to the rest of the forw
 stream the next op outside the block reads, which eager saves as that op's input). Ops computed from
 parameters alone (a gathered weight, its cast) are `reshard_after_forward`'s; an op already tagged
 keeps its tag. Ops that draw random numbers (attention) are saved, never recomputed (`_seeded`): a
-checkpointed block keeps its attention's outputs, as op-level selective AC does. Op-level selective AC's wrappers do tag their ops while AOTAutograd traces, each with
-the policy's save or recompute, but with no region id outside Dynamo, which the partitioner compares
-(torch 2.13: "'>' not supported between instances of 'NoneType'"): they get their block's. Their
-tag also stays in the tracer's current node meta past the region, on backward ops and on the forward
-ops after the blocks (the final norm, the output projection, the loss), which would be recomputed:
-those tags (no region id, outside a block's forward) are dropped.
+checkpointed block keeps its attention's outputs, as op-level selective AC does.
+
+Op-level selective AC's wrappers do tag their ops while AOTAutograd traces, each with the policy's
+save or recompute, but with no region id outside Dynamo, which the partitioner compares (torch 2.13:
+"'>' not supported between instances of 'NoneType'"): they get their block's. Their tag also stays
+in the tracer's current node meta past the region, on backward ops and on the forward ops after the
+blocks (the final norm, the output projection, the loss), which would be recomputed: those tags (no
+region id, outside a block's forward) are dropped.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def checkpoint_tags(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 register_pass(PassSpec(
     name="checkpoint_tags",
     description="tag the forward ops of activation-checkpointed blocks for the partitioner to recompute "
-                "(set by --activation_checkpoint.mode full or selective by layer, in aot and pipeline stages)",
+                "(set by --activation_checkpoint.mode full or selective, in aot and pipeline stages)",
     stages=("joint",),
     modes=("aot", "aot_fx_trace"),
     fn=checkpoint_tags,
