@@ -13,23 +13,13 @@ from torch import nn
 
 from .capture.registry import CaptureContext
 from .clipping import is_expert_grad, join_norms
-from .config import JobConfig
 from .parallel.compat import declared_stage_shapes
 from .parallel.fake_data import FakeNeighbours
 from .parallel.mesh import Meshes
-from .parallel.pipeline import (PipelineLayout, PipelineStep, build_schedule, default_microbatches,
-                                pipeline_total_norm, stage_grads, stage_views, stages_per_rank)
+from .parallel.pipeline import PipelineLayout, PipelineStep, build_schedule, pipeline_total_norm, stage_grads, stage_views
 from .parallel.step_gather import StepGather
 
 TRACED_MODES = ("aot_fx_trace", "aot")
-
-
-def microbatches_of(cfg: JobConfig) -> int:
-    """Schedule microbatches per gradient-accumulation step (1 without pipelining)."""
-    p = cfg.parallelism
-    if p.pp == 1:
-        return 1
-    return p.pp_microbatches or default_microbatches(p.pp, stages_per_rank(p.pp_schedule, p.pp_stages_per_rank))
 
 
 class Pipeline:

@@ -16,7 +16,7 @@ from .config import JobConfig
 from .models import ModelSpec
 from .parallel import parallelize
 from .parallel.mesh import Meshes
-from .parallel.pipeline import PipelineLayout
+from .parallel.pipeline import PipelineLayout, forward_batch
 from .parallel import vocab_embedding
 from .parallel.simple_fsdp import MixedPrecision
 from .passes.ep_overlap import moe_chunks
@@ -36,8 +36,8 @@ def place_model(model: nn.Module, spec: ModelSpec, args: Any, meshes: Meshes, mp
 
 def embedding_by_vocab(cfg: JobConfig, meshes: Meshes, vocab: int) -> bool:
     """Whether this job reads its token embedding in place (`--parallelism.embedding`)."""
-    t, d = cfg.training, meshes.degrees
-    tokens = t.batch_size // (d.dp * t.gradient_accumulation_steps) * t.seq_len
+    d = meshes.degrees
+    tokens = forward_batch(cfg.training, cfg.parallelism, d.dp) * cfg.training.seq_len
     return vocab_embedding.chosen(cfg.parallelism.embedding, d, vocab, tokens, cfg.compile.autoparallel, meshes.dense.device_type)
 
 

@@ -54,9 +54,9 @@ from .parallel.links import probe as probe_links
 from .parallel.fake_data import fill_collective_outputs, restore_collectives, tokens_in_vocab_shard
 from .parallel.materialize import materialize
 from .parallel.mesh import Meshes, build_meshes, device_type, resolve_degrees
-from .parallel.pipeline import layout_of, prune_to_rank
+from .parallel.pipeline import forward_batch, layout_of, microbatches_of, prune_to_rank
 from .parallel.vocab_embedding import VocabShardedEmbedding
-from .pipelining import Pipeline, microbatches_of
+from .pipelining import Pipeline
 from .parallel.simple_fsdp import MixedPrecision
 from .placement import place_model, write_placements
 from .blocks import annotate_blocks
@@ -181,8 +181,8 @@ class GraphTrainer:
         self.meshes: Meshes = build_meshes(self.degrees, self.device.type)
         probe_links(self.meshes, self.device)
         # with pipelining the loader reads one schedule microbatch at a time, as gradient accumulation would
-        self.microbatches = microbatches_of(cfg)
-        self.local_batch = t.batch_size // (self.degrees.dp * t.gradient_accumulation_steps * self.microbatches)
+        self.microbatches = microbatches_of(p)
+        self.local_batch = forward_batch(t, p, self.degrees.dp)
 
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path or None)
         self.loader = None

@@ -404,7 +404,8 @@ def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
     """--parallelism.pp: the stage split, the schedule's microbatches, and what pipelining does not combine with."""
     from .parallel.pipeline import BALANCED, LOOPED, SPLIT_BACKWARD, min_microbatches, split_layers, stages_per_rank
     from .passes.registry import PASSES
-    from .pipelining import TRACED_MODES, microbatches_of
+    from .parallel.pipeline import microbatches_of
+    from .pipelining import TRACED_MODES
 
     p, t = cfg.parallelism, cfg.training
     if p.pp == 1:
@@ -454,7 +455,7 @@ def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
             raise ConfigError(f"--parallelism.pp {p.pp}: {e}") from None
     if p.pp_microbatches < 0:
         raise ConfigError(f"parallelism.pp_microbatches must be >= 0 (0: one per stage), got {p.pp_microbatches}")
-    micro = microbatches_of(cfg)
+    micro = microbatches_of(p)
     least = min_microbatches(p.pp_schedule, p.pp)
     if micro < least:
         raise ConfigError(f"--parallelism.pp_schedule {p.pp_schedule} needs at least {least} microbatches (one per pp rank), "

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..config import Parallelism
+from ..config import Parallelism, Training
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble")
 LOOPED = ("Interleaved1F1B", "InterleavedZeroBubble")
@@ -48,6 +48,19 @@ def min_microbatches(schedule: str, pp: int) -> int:
 
 def default_microbatches(pp: int, stages_per_rank_: int) -> int:
     return pp * stages_per_rank_
+
+
+def microbatches_of(p: Parallelism) -> int:
+    """Schedule microbatches per gradient-accumulation step (1 without pipelining)."""
+    if p.pp == 1:
+        return 1
+    return p.pp_microbatches or default_microbatches(p.pp, stages_per_rank(p.pp_schedule, p.pp_stages_per_rank))
+
+
+def forward_batch(t: Training, p: Parallelism, dp: int) -> int:
+    """Sequences one forward of a rank reads: the global batch over the `dp` data-parallel ranks, the
+    gradient-accumulation steps and the schedule's microbatches."""
+    return t.batch_size // (dp * t.gradient_accumulation_steps * microbatches_of(p))
 
 
 def split_layers(n_layers: int, num_stages: int, per_stage: Sequence[int] | None) -> tuple[tuple[int, ...], ...]:
