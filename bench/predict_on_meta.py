@@ -54,8 +54,7 @@ def main(argv: list[str]) -> None:
     # the block marks the per-block schedule and the memory policy read, as the trainer sets them
     model = annotate_blocks(place_model(models.build_on_meta(spec, args, "cpu"), spec, args, meshes,
                                         MixedPrecision(torch.bfloat16, torch.float32), cfg))
-    ac = cfg.activation_checkpoint
-    apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, cfg.compile.mode, cfg.parallelism.pp)
+    apply_activation_checkpointing(model, cfg)
     step = FunctionalTrainStep(model, build_loss(t.loss, model, t.loss_chunk_tokens))
     params = [q.to_local() for q in model.parameters()]
     _, buffers = named_buffers(model)

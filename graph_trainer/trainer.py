@@ -213,8 +213,7 @@ class GraphTrainer:
         # the stored parameter: reading the module attribute would gather it (SimpleFSDP)
         self.embedding_weight = dict(self.model.named_parameters()).get("tok_embeddings.weight") if self.fake else None
         self.vocab_dims = ("tp", "dp_shard") if isinstance(getattr(self.model, "tok_embeddings", None), VocabShardedEmbedding) else ("tp",)
-        ac = cfg.activation_checkpoint
-        apply_activation_checkpointing(self.model, ac.mode, ac.selective_ac_option, cfg.compile.mode, cfg.parallelism.pp)
+        apply_activation_checkpointing(self.model, cfg)
         self.nparams, self.flops_per_token = models.nparams_and_flops_per_token(args, reference, t.seq_len)
         self.optimizers, self.lr_schedulers = build_optimizer(self.model, cfg, self.device, t.steps)
         self.load_balancing = None

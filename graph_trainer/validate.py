@@ -402,9 +402,8 @@ def _stage_graph_has_dtensors(cfg: JobConfig, degrees: tuple[int, int, int, int]
 
 def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
     """--parallelism.pp: the stage split, the schedule's microbatches, and what pipelining does not combine with."""
-    from .parallel.pipeline import BALANCED, LOOPED, SPLIT_BACKWARD, min_microbatches, split_layers, stages_per_rank
+    from .parallel.pipeline import BALANCED, LOOPED, SPLIT_BACKWARD, microbatches_of, min_microbatches, split_layers, stages_per_rank
     from .passes.registry import PASSES
-    from .parallel.pipeline import microbatches_of
     from .pipelining import TRACED_MODES
 
     p, t = cfg.parallelism, cfg.training

@@ -70,8 +70,7 @@ def trace_llama(*flags: str, optimizer_in_graph: bool = False, param_dtype: torc
     model = place_model(models.build_on_meta(spec, args, "cpu"), spec, args, meshes,
                         MixedPrecision(param_dtype, torch.float32), cfg)
     annotate_blocks(model)
-    ac = cfg.activation_checkpoint
-    apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, cfg.compile.mode, cfg.parallelism.pp)
+    apply_activation_checkpointing(model, cfg)
     step = FunctionalTrainStep(model, cross_entropy)
     params = [p.to_local() for p in model.parameters()]
     _, buffers = named_buffers(model)

@@ -48,8 +48,7 @@ def trace_on_fake_mesh(cfg: JobConfig, world_size: int) -> FakeTrace:
     mp = MixedPrecision.from_config(cfg.training, "cuda")
     model = annotate_blocks(place_model(models.build_to_place(spec, args, "cpu", separator_of(cfg.model.tokenizer_path), models.stored_dtype(cfg)),
                                         spec, args, meshes, mp, cfg))
-    ac = cfg.activation_checkpoint
-    apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, cfg.compile.mode, cfg.parallelism.pp)
+    apply_activation_checkpointing(model, cfg)
     local_batch = t.batch_size // (degrees.dp * t.gradient_accumulation_steps)
     step = FunctionalTrainStep(model, cross_entropy, 1.0 / t.gradient_accumulation_steps)
     params = [q.to_local() for q in model.parameters() if q.requires_grad]

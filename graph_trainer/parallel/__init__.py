@@ -8,6 +8,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from ..blocks import CHECKPOINTED_KEY
+from ..config import JobConfig
 from ..models import ModelSpec
 from ..regions import annotate_module
 from .mesh import Meshes
@@ -43,16 +44,27 @@ OP_SAC_SAVE_LIST = {
 """Ops whose outputs op-level selective AC saves (of matmuls, every other one): torchtitan's list."""
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, option: str, compile_mode: str, pp: int) -> None:
+def policy_name(cfg: JobConfig) -> str | None:
+    """Which policy the `memory_policy` pass applies on the traced step in place of torchtitan's
+    wrappers, or None: `memory_budget`, and op-level selective AC in a whole-step aot_fx_trace, where
+    make_fx would only tag the ops (no partitioner reads tags in one train-step graph). Op-level
+    selective AC in aot and in pipeline stages is torch's own: the partitioner reads the tags the
+    wrappers set (`passes/checkpoint_tags.py`)."""
+    ac = cfg.activation_checkpoint
+    if ac.mode == "memory_budget":
+        return "memory_budget"
+    if ac.mode == "selective" and ac.selective_ac_option == "op" and cfg.compile.mode == "aot_fx_trace" and cfg.parallelism.pp == 1:
+        return "op"
+    return None
+
+
+def apply_activation_checkpointing(model: nn.Module, cfg: JobConfig) -> None:
     """torchtitan's checkpoint wrappers, except where the `memory_policy` pass decides on the traced
-    step instead: `memory_budget`, and op-level selective AC in a whole-step aot_fx_trace, where make_fx
-    would only tag the ops (no partitioner reads tags in one train-step graph); the pass reads the block
-    marks (`blocks.annotate_blocks`, which whoever traces the model applies) and keeps its
-    recomputations within a block. Pipeline stages are joint graphs, partitioned as aot's: the
-    wrappers' tags (`passes/checkpoint_tags.py`) tell the partitioner."""
-    if mode == "none":
-        return
-    if mode == "memory_budget" or mode == "selective" and option == "op" and compile_mode == "aot_fx_trace" and pp == 1:
+    step instead (`policy_name`); the pass reads the block marks (`blocks.annotate_blocks`, which
+    whoever traces the model applies) and keeps its recomputations within a block."""
+    ac = cfg.activation_checkpoint
+    mode, option = ac.mode, ac.selective_ac_option
+    if mode == "none" or policy_name(cfg):
         return
     from torchtitan.config import ActivationCheckpoint as TitanAC
     from torchtitan.distributed.activation_checkpoint import apply_ac

@@ -71,7 +71,7 @@ from torch import fx
 from ..graph_dump import nbytes
 from ..hardware import select
 from ..blocks import node_block
-from ..parallel import OP_SAC_SAVE_LIST
+from ..parallel import OP_SAC_SAVE_LIST, policy_name
 from ..units import GiB, fill_device, parse_memory_budget
 from .activations import Activations
 from .cost_model import CostModel
@@ -85,17 +85,6 @@ from .registry import PassContext, PassSpec, register_pass
 
 MAX_MISSES = 8
 """Rounds in a row that fail to lower the simulated peak before the budget policy gives up."""
-
-
-def policy_name(cfg: Any) -> str | None:
-    """Which policy the config asks of this pass, or None (op-level selective AC in aot and in pipeline
-    stages is torch's own: the partitioner reads the tags torchtitan's wrappers set, `checkpoint_tags`)."""
-    ac = cfg.activation_checkpoint
-    if ac.mode == "memory_budget":
-        return "memory_budget"
-    if ac.mode == "selective" and ac.selective_ac_option == "op" and cfg.compile.mode == "aot_fx_trace" and cfg.parallelism.pp == 1:
-        return "op"
-    return None
 
 
 def offload_mode(cfg: Any) -> str:
@@ -117,9 +106,9 @@ def activation_passes(cfg: Any) -> list[str]:
     pointwise = cfg.compile.mode == "aot_fx_trace" and ac.recompute_pointwise
     # joint graphs (aot, pipeline stages) hold no recomputation of a wrapped block until tagged
     joint = cfg.compile.mode == "aot" or cfg.compile.mode == "aot_fx_trace" and cfg.parallelism.pp > 1
-    tags = joint and ac.mode in ("full", "selective") and policy_name(cfg) is None
-    return ((["checkpoint_tags"] if tags else []) + (["recompute_pointwise"] if pointwise else [])
-            + (["memory_policy"] if policy_name(cfg) else []))
+    policy = policy_name(cfg)
+    tags = joint and ac.mode in ("full", "selective") and policy is None
+    return (["checkpoint_tags"] if tags else []) + (["recompute_pointwise"] if pointwise else []) + (["memory_policy"] if policy else [])
 
 
 def plan_memory_budget(acts: Activations, budget_bytes: float, node_time: Callable[[fx.Node], float],
