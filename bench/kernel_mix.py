@@ -51,7 +51,7 @@ def kernel_mix(events: list[dict], steps: int = 1) -> dict[str, float]:
     return dict(sorted(ms.items(), key=lambda kv: -kv[1]))
 
 
-def _interval(e: dict) -> tuple[float, float]:
+def interval(e: dict) -> tuple[float, float]:
     return e["ts"], e["ts"] + e.get("dur", 0.0)
 
 
@@ -64,7 +64,7 @@ def exposed_by_collective(events: list[dict], compute: list[tuple[float, float]]
     by_op: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for e in events:
         if op := _NCCL_OP.search(e.get("name", "")):
-            by_op[op.group(1)].append(_interval(e))
+            by_op[op.group(1)].append(interval(e))
     return {op: uncovered_length(spans, compute) / 1e3 / steps for op, spans in sorted(by_op.items())}
 
 
@@ -94,10 +94,10 @@ def exposed_comm(events: list[dict], steps: int = 1) -> dict[str, float]:
     events (a CPU trace)."""
     if not events:
         return {}
-    comm = [_interval(e) for e in events if kind_of(e.get("name", "")) == COLLECTIVES]
-    compute = [_interval(e) for e in events if e.get("cat") == "kernel" and kind_of(e.get("name", "")) != COLLECTIVES]
-    first = min(start for start, _ in map(_interval, events))
-    span_us = max(stop for _, stop in map(_interval, events)) - first
+    comm = [interval(e) for e in events if kind_of(e.get("name", "")) == COLLECTIVES]
+    compute = [interval(e) for e in events if e.get("cat") == "kernel" and kind_of(e.get("name", "")) != COLLECTIVES]
+    first = min(start for start, _ in map(interval, events))
+    span_us = max(stop for _, stop in map(interval, events)) - first
     exposed_us = uncovered_length(comm, compute)
     idle_us = span_us - union_length(compute)
     return {"kernel_span_ms": span_us / 1e3 / steps, "comm_ms": union_length(comm) / 1e3 / steps,

@@ -173,6 +173,14 @@ class Compile:
     """Graph passes in order, comma separated (see --compile.list_passes). Empty: in multi-rank aot_fx_trace the overlap
     schedule where parameters are sharded (separate_gather_group, transformer_block_bucketing), then async_tp with tp on
     GPUs; nothing otherwise; `none`: no pass."""
+    async_tp_lowering: Literal["auto", "symm_mem", "chunked"] = "auto"
+    """How async_tp overlaps a TP collective with its matmuls: symm_mem (torch's fused symmetric-memory ops, peer-to-peer
+    copies on the copy engines; CUDA and a real process group), chunked (each rank's rows cut into async_tp_chunks
+    slices, one functional collective each, issued before the previous slice's matmul; any device); auto = symm_mem
+    where it can run, else chunked."""
+    async_tp_chunks: int = 2
+    """Slices of each rank's rows in async_tp's chunked lowering (>= 2): the first slice's gather and the last one's
+    reduce-scatter are what it leaves exposed."""
     inductor_compilation: Literal["auto", "none", "regional", "full", "autoparallel_backend"] = "auto"
     """Backend the traced train step goes to; auto = full (whole-step Inductor) on GPUs, none (FX) on CPU."""
     autoparallel: bool = False

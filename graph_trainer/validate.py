@@ -154,6 +154,10 @@ def check_compile(cfg: JobConfig, device_type: str) -> None:
     from graph_trainer.backends.autoparallel import check_config
 
     check_config(cfg)
+    if cfg.compile.async_tp_chunks < 2:
+        raise ConfigError(f"compile.async_tp_chunks must be >= 2 (slices of each rank's rows), got {cfg.compile.async_tp_chunks}")
+    if cfg.compile.async_tp_lowering == "symm_mem" and (device_type != "cuda" or cfg.comm.mode == "fake"):
+        raise ConfigError("--compile.async_tp_lowering symm_mem needs CUDA GPUs and real communication: use chunked (or auto)")
     if cfg.compile.compile_workers < -1:
         raise ConfigError(f"compile.compile_workers must be -1 (auto), 0 (none) or a count of processes, got {cfg.compile.compile_workers}")
     if cfg.parallelism.moe_capacity_factor < 0:

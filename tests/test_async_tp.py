@@ -9,6 +9,7 @@ bitwise like the runs without the pass.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from torch import fx
 from helpers import cached_run, grad_norms, losses, read_metrics
 from traced_step import trace_step
 
-from graph_trainer.passes.async_tp import _lower_gather, _lower_scatter, _tp_group, async_tp, tp_sites
+from graph_trainer.passes.async_tp import PIPELINED, _lower_gather, _lower_scatter, _tp_group, async_tp, tp_sites
 from graph_trainer.passes.bucketing_compat import ALL_GATHER, REDUCE_SCATTER, WAIT
 
 LAYERS = 2
@@ -78,9 +79,9 @@ def test_symm_mem_lowering_builds_the_fused_ops(fake_pg, batch):
     gathers, scatters = tp_sites(gm, _tp_group(ctx), ctx.num_params)
     shapes = [mm.meta["val"].shape for s in gathers for mm in s.matmuls]
     for site in gathers:
-        assert _lower_gather(gm.graph, site, symm_mem=True)
+        assert _lower_gather(gm.graph, site, chunks=None)
     for site in scatters:
-        _lower_scatter(gm.graph, site, symm_mem=True)
+        _lower_scatter(gm.graph, site, chunks=None)
     gm.graph.lint()
     fused = [n for n in gm.graph.nodes if n.target is torch.ops.symm_mem.fused_all_gather_matmul.default]
     assert len(fused) == len(gathers)
@@ -90,6 +91,29 @@ def test_symm_mem_lowering_builds_the_fused_ops(fake_pg, batch):
     assert outs == shapes
     scattered = [n for n in gm.graph.nodes if n.target is torch.ops.symm_mem.fused_matmul_reduce_scatter.default]
     assert [n.meta["val"].shape for n in scattered] == [s.wait.meta["val"].shape for s in scatters]
+
+
+def _tp_collectives(gm: fx.GraphModule, group: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The chunked lowering's collectives (their kind and input shape)."""
+    return [("gather" if n.target is ALL_GATHER else "scatter", tuple(n.args[0].meta["val"].shape)) for n in gm.graph.nodes
+            if n.target in (ALL_GATHER, REDUCE_SCATTER) and n.args[-1] == group and PIPELINED in n.meta]
+
+
+def test_chunk_count_sets_the_slices(fake_pg):
+    """--compile.async_tp_chunks 4: each pair's collective in four pieces of a quarter of the rank's rows (the first
+    gather and the last reduce-scatter exposed, a quarter of the bytes each), every piece but the last in flight over
+    a matmul."""
+    two, ctx = _llama(1, 2)
+    group = _tp_group(ctx)
+    sites = sum(map(len, tp_sites(two, group, ctx.num_params)))
+    async_tp(two, ctx)
+    four, ctx4 = _llama(1, 2)
+    ctx4.cfg.compile.async_tp_chunks = 4
+    async_tp(four, ctx4)
+    halves, quarters = _tp_collectives(two, group), _tp_collectives(four, group)
+    assert len(halves) == 2 * sites and len(quarters) == 4 * sites
+    assert sorted((kind, 2 * math.prod(s)) for kind, s in quarters) == sorted(2 * [(kind, math.prod(s)) for kind, s in halves])
+    assert _overlapped(two, group) == sites and _overlapped(four, group) == 3 * sites
 
 
 def test_graph_unchanged_without_tp(fake_pg):

@@ -187,6 +187,9 @@ CASES = [
     Case("selective_ac_option", ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"], "'op' or an integer"),
     # passes
     Case("pass_unknown", ["--compile.mode", "aot_fx_trace", "--compile.passes", "bucketting_magic"], "unknown pass 'bucketting_magic' (did you mean 'auto_bucketing'?); see --compile.list_passes"),
+    Case("async_tp_one_chunk", ["--compile.async_tp_chunks", "1"], "compile.async_tp_chunks must be >= 2 (slices of each rank's rows), got 1"),
+    Case("async_tp_symm_mem_on_cpu", ["--compile.async_tp_lowering", "symm_mem"],
+         "--compile.async_tp_lowering symm_mem needs CUDA GPUs and real communication: use chunked (or auto)"),
     _pass_case("conflict"),
     _pass_case("requires"),
     _pass_case("mode"),

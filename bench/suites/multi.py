@@ -157,6 +157,10 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
     overlapped = [
         theirs("titan compile async TP", c.group, ["--compile.enable", "--parallelism.enable_async_tensor_parallel"]),
         ours("gt full no async_tp", c.group, FULL + ["--compile.passes", ",".join(default[:-1]) or "none"], profile=True),
+        # the lowering through NCCL collectives against symmetric memory's fused ops, whose host work left the 8B-16L
+        # tp 2 step waiting on launches (bench/results/2026-11-30-session22)
+        *(ours(f"gt full async_tp chunked {n}", c.group, FULL + ["--compile.async_tp_lowering", "chunked", "--compile.async_tp_chunks", str(n)],
+               profile=True) for n in (2, 4)),
     ] if c.tp > 1 else []
     overlapped += [ours("gt full ep_overlap", c.group, FULL + ["--compile.passes", ",".join([*default, "ep_overlap"])],
                         profile=True)] if c.ep > 1 else []

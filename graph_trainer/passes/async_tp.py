@@ -12,13 +12,13 @@ Only gathers and scatters along a dimension other than the last (the rows of the
 gather of the contraction or vocabulary dimension (the output projection's logits) is left alone, as
 are backward's input gradients, which sum several matmuls before their reduce-scatter.
 
-Lowerings, chosen by device:
+Lowerings (`--compile.async_tp_lowering`; auto: symm_mem where it can run):
 - `symm_mem` (CUDA, real process group): torch's `symm_mem.fused_all_gather_matmul` and
   `fused_matmul_reduce_scatter`, which pipeline the matmul over per-peer P2P copies into symmetric
   memory; the TP group is registered for symmetric memory when the pass runs. They need CUDA peer
   access between the TP ranks (NVLink or PCIe P2P), not NVLink multicast, which stays off.
-- `chunked` (any device and process group, gloo included): the local shard is cut into `CHUNKS`
-  slices along the gathered (scattered) dimension, and each slice travels by its own functional
+- `chunked` (any device and process group, gloo included): the local shard is cut into
+  `--compile.async_tp_chunks` slices along the gathered (scattered) dimension, and each slice travels by its own functional
   collective, issued before the previous slice's matmul runs: slice c's matmul overlaps slice c+1's
   all-gather, slice c's reduce-scatter overlaps slice c+1's matmul. Rows are then put back in the
   unsplit order (a copy of the matmul output and of the gathered activation).
@@ -42,7 +42,6 @@ from .gather_group import gathers_parameters
 from .registry import PassContext, PassSpec, register_pass
 
 aten = torch.ops.aten
-CHUNKS = 2
 PIPELINED = "async_tp_chunk"
 """`node.meta` key of the collectives the chunked lowering emits (their chunk): not sites again."""
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -196,13 +195,13 @@ def _unsplit(graph: fx.Graph, parts: list[fx.Node], dim: int, shape: list[int], 
     return emit(graph, aten.view.default, emit(graph, aten.stack.default, views, dim + 1), shape)
 
 
-def _chunked_gather(graph: fx.Graph, site: GatherSite) -> tuple[fx.Node, list[fx.Node]]:
+def _chunked_gather(graph: fx.Graph, site: GatherSite, chunks: int) -> tuple[fx.Node, list[fx.Node]]:
     x, ranks, group = site.start.args
     dim, full = site.dim, list(site.gathered.meta["val"].shape)
     local = x.meta["val"].shape[dim]
     starts = []
-    for c in range(CHUNKS):
-        piece = emit(graph, aten.slice.Tensor, x, dim, c * local // CHUNKS, (c + 1) * local // CHUNKS)
+    for c in range(chunks):
+        piece = emit(graph, aten.slice.Tensor, x, dim, c * local // chunks, (c + 1) * local // chunks)
         starts.append(emit(graph, ALL_GATHER, emit(graph, aten.clone.default, piece, memory_format=torch.contiguous_format),
                            ranks, group))
         starts[-1].meta[PIPELINED] = c
@@ -240,15 +239,15 @@ def _symm_mem_gather(graph: fx.Graph, site: GatherSite) -> tuple[fx.Node, list[f
         for i, mm in enumerate(site.matmuls)]
 
 
-def _chunked_scatter(graph: fx.Graph, site: ScatterSite) -> fx.Node:
+def _chunked_scatter(graph: fx.Graph, site: ScatterSite, chunks: int) -> fx.Node:
     a, b = site.matmul.args
     _, _, ranks, group = site.start.args
     dim, shape = site.dim, site.shape
-    piece = shape[dim] // ranks // CHUNKS
+    piece = shape[dim] // ranks // chunks
     part_shape = [*shape[:dim], piece, *shape[dim + 1 :]]
-    rows = emit(graph, aten.view.default, a, [*shape[:dim], ranks, CHUNKS, piece, *shape[dim + 1 : -1], -1])
+    rows = emit(graph, aten.view.default, a, [*shape[:dim], ranks, chunks, piece, *shape[dim + 1 : -1], -1])
     starts = []
-    for c in range(CHUNKS):
+    for c in range(chunks):
         chunk = emit(graph, aten.clone.default, emit(graph, aten.select.int, rows, dim + 1, c),
                      memory_format=torch.contiguous_format)
         out = emit(graph, aten.mm.default, emit(graph, aten.view.default, chunk, [-1, a.meta["val"].shape[-1]]), b)
@@ -275,12 +274,13 @@ def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
             graph.erase_node(node)
 
 
-def _lower_gather(graph: fx.Graph, site: GatherSite, symm_mem: bool) -> bool:
+def _lower_gather(graph: fx.Graph, site: GatherSite, chunks: int | None) -> bool:
+    """`chunks`: the chunked lowering's slices; None: symmetric memory."""
     anchor = _hoist_after([mm.args[1] for mm in site.matmuls], site.gathered, _descendants(site.start))
     if anchor is None:
         return False
     with graph.inserting_before(anchor.next):
-        whole, results = (_symm_mem_gather if symm_mem else _chunked_gather)(graph, site)
+        whole, results = _symm_mem_gather(graph, site) if chunks is None else _chunked_gather(graph, site, chunks)
     views = [mm.args[0] for mm in site.matmuls]
     for mm, result in zip(site.matmuls, results):
         mm.replace_all_uses_with(result)
@@ -290,9 +290,9 @@ def _lower_gather(graph: fx.Graph, site: GatherSite, symm_mem: bool) -> bool:
     return True
 
 
-def _lower_scatter(graph: fx.Graph, site: ScatterSite, symm_mem: bool) -> None:
+def _lower_scatter(graph: fx.Graph, site: ScatterSite, chunks: int | None) -> None:
     with graph.inserting_before(site.matmul):
-        result = (_symm_mem_scatter if symm_mem else _chunked_scatter)(graph, site)
+        result = _symm_mem_scatter(graph, site) if chunks is None else _chunked_scatter(graph, site, chunks)
     site.wait.replace_all_uses_with(result)
     _erase_unused(graph, site.chain)
 
@@ -315,22 +315,32 @@ def tp_sites(gm: fx.GraphModule, group: str | None, num_params: int) -> tuple[li
     return gathers, scatters
 
 
-def _divides(site: GatherSite | ScatterSite) -> bool:
-    """Whether the chunked lowering's slices are whole rows of each rank's share."""
+def _divides(site: GatherSite | ScatterSite, chunks: int | None) -> bool:
+    """Whether the lowering takes the site: symmetric memory any, the chunked one where its slices are whole rows
+    of each rank's share."""
+    if chunks is None:
+        return True
     if isinstance(site, GatherSite):
-        return site.start.args[0].meta["val"].shape[site.dim] % CHUNKS == 0
-    return site.shape[site.dim] // site.start.args[2] % CHUNKS == 0
+        return site.start.args[0].meta["val"].shape[site.dim] % chunks == 0
+    return site.shape[site.dim] // site.start.args[2] % chunks == 0
+
+
+def uses_symm_mem(cfg, device: torch.device) -> bool:
+    """Whether `--compile.async_tp_lowering` (auto: where it can run) picks symmetric memory."""
+    lowering = cfg.compile.async_tp_lowering
+    return lowering == "symm_mem" or (lowering == "auto" and device.type == "cuda" and not is_fake_process_group())
 
 
 def async_tp(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     group = _tp_group(ctx)
-    symm_mem = ctx.device.type == "cuda" and not is_fake_process_group()
+    symm_mem = uses_symm_mem(ctx.cfg, ctx.device)
+    chunks = None if symm_mem else ctx.cfg.compile.async_tp_chunks
     gathers, scatters = tp_sites(gm, group, ctx.num_params)
-    lowered_gathers = sum(_lower_gather(gm.graph, s, symm_mem) for s in gathers if symm_mem or _divides(s))
+    lowered_gathers = sum(_lower_gather(gm.graph, s, chunks) for s in gathers if _divides(s, chunks))
     lowered_scatters = 0
     for site in scatters:
-        if symm_mem or _divides(site):
-            _lower_scatter(gm.graph, site, symm_mem)
+        if _divides(site, chunks):
+            _lower_scatter(gm.graph, site, chunks)
             lowered_scatters += 1
     if symm_mem and (lowered_gathers or lowered_scatters):
         enable_symmetric_memory(group)
