@@ -5,6 +5,8 @@ gradient norm over every stage."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from typing import Any
 
 import torch
@@ -16,10 +18,11 @@ from .clipping import is_expert_grad, join_norms
 from .parallel.compat import declared_stage_shapes
 from .parallel.fake_data import FakeNeighbours
 from .parallel.mesh import Meshes
-from .parallel.pipeline import PipelineLayout, PipelineStep, build_schedule, pipeline_total_norm, stage_grads, stage_views
+from .parallel.pipeline import PipelineLayout, PipelineStep, StageIO, build_schedule, pipeline_total_norm, stage_grads, stage_views
 from .parallel.step_gather import StepGather
 
 TRACED_MODES = ("aot_fx_trace", "aot")
+logger = logging.getLogger("graph_trainer")
 
 
 class Pipeline:
@@ -35,10 +38,11 @@ class Pipeline:
         self.pp_rank = self.meshes.pp.get_local_rank()
         self.views = stage_views(ctx.model, layout, self.pp_rank)
         modules: list[nn.Module] = self.views
+        traced = []
         if ctx.cfg.compile.mode in TRACED_MODES:
             from .capture.pipeline_stage import TracedStage
 
-            modules = [TracedStage(v, s, ctx) for v, s in zip(self.views, layout.stages_of(self.pp_rank))]
+            modules = traced = [TracedStage(v, s, ctx) for v, s in zip(self.views, layout.stages_of(self.pp_rank))]
         if ctx.cfg.comm.mode == "fake":
             last = layout.num_stages - 1
             modules = [FakeNeighbours(m, s == 0, s == last) for m, s in zip(modules, layout.stages_of(self.pp_rank))]
@@ -50,12 +54,21 @@ class Pipeline:
 
         # an auto-placed stage hands on its output in the token batch's layout, whole sequences (autoparallel.entry)
         sequence_shards = 1 if ctx.cfg.compile.autoparallel else self.meshes.degrees.tp
-        schedule = build_schedule(modules, layout, self.meshes.pp, ctx.device, scaled_loss, microbatch, ctx.cfg.training.seq_len,
-                                  model_args.dim, model_args.vocab_size, dtype, sequence_shards)
+        io = StageIO(microbatch, ctx.cfg.training.seq_len, model_args.dim, model_args.vocab_size, dtype, sequence_shards)
+        schedule = build_schedule(modules, layout, self.meshes.pp, ctx.device, scaled_loss, io)
         if ctx.cfg.comm.mode == "fake":
             declared_stage_shapes(schedule)
         gather = StepGather(ctx.model) if ctx.cfg.parallelism.pp_gather == "step" else None
-        self.step = PipelineStep(schedule, layout, self.meshes.pp, ctx.device, gather or contextlib.nullcontext)
+
+        def compile_stages() -> None:
+            t0 = time.perf_counter()
+            for stage in traced:
+                stage.compile_for(io.input(stage.stage_index, ctx.device))
+            ctx.stats["pp_stages_compiled_first"] = len(traced)
+            logger.info(f"compiled this rank's {len(traced)} pipeline stages before the first schedule: {time.perf_counter() - t0:.1f} s")
+
+        self.step = PipelineStep(schedule, layout, self.meshes.pp, ctx.device, gather or contextlib.nullcontext,
+                                 compile_stages if traced else None)
         self.ep_enabled = self.meshes.degrees.ep > 1
         self.device = ctx.device
 

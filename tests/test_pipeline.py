@@ -133,6 +133,15 @@ def test_pp2_equals_pp1_bitwise(schedule: str, mode: str):
     _same(cached_train(_pp(schedule, mode, *extra), nproc=2), cached_train(REFERENCE))
 
 
+@pytest.mark.slow
+def test_traced_stages_compile_before_the_first_schedule():
+    """Each rank compiles both of its Interleaved1F1B stages before its schedule runs (not at each stage's first
+    microbatch, which waited for the previous rank's stage to compile and send), for inputs the schedule then feeds
+    them: no stage traces twice."""
+    records = cached_train(_pp("Interleaved1F1B", "aot_fx_trace"), nproc=2)
+    assert (records[0]["pp_stages_compiled_first"], records[0]["retraces"]) == (2, 0)
+
+
 DP2 = ("--model.n_layers", "4", "--training.batch_size", "8", "--training.seq_len", "64", "--training.steps", "3",
        "--parallelism.dp_shard", "2")
 DP2_REFERENCE = (*DP2, "--compile.mode", "eager", "--training.gradient_accumulation_steps", "2")

@@ -11,7 +11,10 @@ its module: the forward graph runs at a forward slot, the backward graph when th
 backpropagates the stage's output gradient; the parameters' gradients add into `param.grad`.
 
 The loss on the last stage runs eagerly after the stage's graph (the schedule calls it on the stage
-output). Shapes are baked in: a microbatch of a new shape exports again (`stats["retraces"]`). With
+output). Shapes are baked in: a microbatch of a new shape exports again (`stats["retraces"]`). The pipeline
+compiles every local stage for its declared input before its first schedule runs (`compile_for`), so that the
+ranks compile at the same time: compiled at their first microbatch, a stage waited for the previous rank's
+stage to compile and send its first activations. With
 FSDP each microbatch gathers the stage's parameters again in its forward graph (and reduce-scatters
 its gradients in its backward graph).
 """
@@ -99,8 +102,12 @@ class TracedStage(nn.Module):
         report_passes(stats)
         return lambda x: compiled(*state, x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def compile_for(self, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The compiled stage for inputs like `x` (its values unread), traced and compiled on the first such input."""
         signature = (tuple(x.shape), x.dtype, x.requires_grad)
         if signature not in self.graphs:
             self.graphs[signature] = self._build(x)
-        return self.graphs[signature](x)
+        return self.graphs[signature]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.compile_for(x)(x)

@@ -213,23 +213,40 @@ def _schedule_class(name: str) -> type:
     return getattr(schedules, f"Schedule{name}")
 
 
+@dataclass(frozen=True)
+class StageIO:
+    """What the schedule sends between stages: token ids into the first stage, [microbatch, seq, dim] activations
+    between stages (with tensor parallelism the rank's sequence shard: the blocks' sequence-parallel input), logits
+    out of the last."""
+
+    microbatch: int
+    seq_len: int
+    dim: int
+    vocab: int
+    dtype: torch.dtype
+    tp: int = 1
+
+    def input(self, stage: int, device: torch.device | str = "meta") -> torch.Tensor:
+        if stage == 0:
+            return torch.zeros(self.microbatch, self.seq_len, dtype=torch.long, device=device)
+        # requires_grad marks what carries a gradient back between stages (torch 2.13 reads it from these)
+        return torch.zeros(self.microbatch, self.seq_len // self.tp, self.dim, dtype=self.dtype, device=device, requires_grad=True)
+
+    def output(self, stage: int, num_stages: int) -> torch.Tensor:
+        if stage < num_stages - 1:
+            return self.input(stage + 1)
+        return torch.zeros(self.microbatch, self.seq_len, self.vocab, dtype=self.dtype, device="meta", requires_grad=True)
+
+
 def build_schedule(views: Sequence[nn.Module], layout: PipelineLayout, pp_mesh: DeviceMesh, device: torch.device,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], microbatch: int, seq_len: int,
-                   dim: int, vocab: int, dtype: torch.dtype, tp: int = 1):
-    """The schedule over this rank's stages. Stage inputs and outputs are declared (no shape inference
-    round trip): token ids into the first stage, [microbatch, seq, dim] activations between stages (with
-    tensor parallelism the rank's sequence shard: the blocks' sequence-parallel input), logits out of the last."""
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], io: StageIO):
+    """The schedule over this rank's stages, their inputs and outputs declared (no shape inference round trip)."""
     from torch.distributed.pipelining import PipelineStage
 
     pp_rank = pp_mesh.get_local_rank()
-    last = layout.num_stages - 1
-    # requires_grad marks what carries a gradient back between stages (torch 2.13 reads it from these)
-    hidden = torch.empty(microbatch, seq_len // tp, dim, dtype=dtype, device="meta", requires_grad=True)
-    tokens = torch.empty(microbatch, seq_len, dtype=torch.long, device="meta")
-    logits = torch.empty(microbatch, seq_len, vocab, dtype=dtype, device="meta", requires_grad=True)
     stages = [
-        PipelineStage(view, s, layout.num_stages, device, input_args=tokens if s == 0 else hidden,
-                      output_args=logits if s == last else hidden, group=pp_mesh.get_group(),
+        PipelineStage(view, s, layout.num_stages, device, input_args=io.input(s), output_args=io.output(s, layout.num_stages),
+                      group=pp_mesh.get_group(),
                       # a traced stage splits its own backward (capture/backward_split.py); eager ones leave it to autograd
                       dw_builder=getattr(view, "dw_builder", None) if layout.schedule in SPLIT_BACKWARD else None)
         for view, s in zip(views, layout.stages_of(pp_rank))
@@ -245,10 +262,12 @@ class PipelineStep:
     scaled microbatch losses, known on the last stage's rank) is broadcast over the pp group."""
 
     def __init__(self, schedule, layout: PipelineLayout, pp_mesh: DeviceMesh, device: torch.device,
-                 around: Callable[[], ContextManager[None]] = contextlib.nullcontext):
-        """`around`: entered for each step (StepGather's gather-once)."""
+                 around: Callable[[], ContextManager[None]] = contextlib.nullcontext, first: Callable[[], None] | None = None):
+        """`around`: entered for each step (StepGather's gather-once); `first`: run in it before the first step's
+        schedule (the traced stages' compile)."""
         self.schedule = schedule
         self.around = around
+        self.first = first
         self.layout = layout
         self.group = pp_mesh.get_group()
         self.pp_rank = pp_mesh.get_local_rank()
@@ -258,6 +277,9 @@ class PipelineStep:
         has_last = self.pp_rank == self.layout.last_rank
         losses: list[torch.Tensor] = []
         with self.around():
+            if self.first is not None:
+                self.first()
+                self.first = None
             if self.pp_rank == 0:
                 self.schedule.step(inputs, target=labels, losses=losses, return_outputs=False)
             else:
