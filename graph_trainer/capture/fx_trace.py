@@ -35,6 +35,7 @@ from .registry import CaptureContext
 from .compat import untraced_sharding_propagation
 from .block_template import expand, plan_template, traced_layers
 from .trace_cache import TraceCache
+from .unread import drop_unread
 from .update_tail import append_update
 
 logger = logging.getLogger("graph_trainer")
@@ -106,8 +107,11 @@ def trace_train_step(
             gm = append_update(gm, step, fake_args, len(params), mode)
         if gm is not None:
             gm.meta["traced_blocks"] = plan.traced
+            gm.meta["unread_collectives"] = drop_unread(gm)
             return gm
-    return _trace(step, len(params), len(params) + len(buffers), fake_args, mode)
+    gm = _trace(step, len(params), len(params) + len(buffers), fake_args, mode)
+    gm.meta["unread_collectives"] = drop_unread(gm)
+    return gm
 
 
 def _trace(step: FunctionalTrainStep, n_params: int, n_state: int, fake_args: list[torch.Tensor],
@@ -171,6 +175,7 @@ class TracedStep:
             backend.prepare(cfg, self.ctx.device)
             gm = trace_train_step(self.fn, locals_, self.buffers, inputs, labels, self.ctx.device, extra)
             self.ctx.stats["traced_blocks"] = gm.meta["traced_blocks"]
+            self.ctx.stats["unread_collectives"] = gm.meta["unread_collectives"]
         t1 = time.perf_counter()
         outcome = cache.outcome if cache is not None else "off"
         logger.info(f"{'loaded' if outcome == 'hit' else 'traced'} the train step: {len(gm.graph.nodes):,} nodes in {t1 - t0:.1f} s")
