@@ -6,18 +6,17 @@ dead-code elimination removes such ops, except where a functional collective is 
 side-effecting, so the collective, and every op it reads, stay. With tensor parallelism each checkpointed block
 recomputed its last row-parallel matmul and reduce-scatter for nothing (llama3 8B-16L at tp 2: 8 matmuls more
 than torchtitan's step, bench/results/2026-11-30-session22). A collective whose result nothing reads is dropped
-with its wait; every rank traces the same graph, so all of them drop it.
+with its wait; whether anything reads it is a matter of the graph's ops, which are the same on every rank, so every
+rank drops the same collectives.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 
-_c10d = torch.ops._c10d_functional
-WAIT = _c10d.wait_tensor.default
-OUT_OF_PLACE = frozenset({_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default,
-                          _c10d.all_reduce.default, _c10d.all_to_all_single.default})
+from ..passes.bucketing_compat import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, WAIT
+
+OUT_OF_PLACE = frozenset({ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL})
 """Collectives that only make their result (an in-place one writes into its input, which others read)."""
 
 

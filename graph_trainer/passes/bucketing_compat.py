@@ -29,6 +29,7 @@ _c10d = torch.ops._c10d_functional
 ALL_GATHER = _c10d.all_gather_into_tensor.default
 REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 ALL_REDUCE = _c10d.all_reduce.default
+ALL_TO_ALL = _c10d.all_to_all_single.default
 WAIT = _c10d.wait_tensor.default
 
 

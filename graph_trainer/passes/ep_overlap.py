@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import heapq
 
-import torch
 import torch.distributed as dist
 from torch import fx
 
@@ -33,11 +32,10 @@ from ..graph_dump import is_collective
 from ..parallel.expert_parallel import CHUNK_KEY
 from ..parallel.links import all_to_all_twins
 from ..step_watchdog import group_timeout
-from .bucketing_compat import WAIT
+from .bucketing_compat import ALL_TO_ALL, WAIT
 from .collectives import forward_end
 from .registry import PassContext, PassSpec, register_pass
 
-ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 CHUNKS = 2
 
 
