@@ -19,7 +19,8 @@ from graph_trainer.profiling import union_length, uncovered_length
 # first match wins: Inductor's templates (FlexAttention, and its GEMM templates when autotuned in) before its
 # other Triton kernels, attention before GEMMs (attention kernels run matmuls too)
 KINDS = [
-    ("collectives", re.compile(r"nccl", re.I)),
+    # symmetric memory's barriers (async TP's fused ops) spin until the peer arrives: waiting on communication
+    ("collectives", re.compile(r"nccl|symmetric_memory::", re.I)),
     ("attention (cuDNN / flash)", re.compile(r"cudnn|sdpa|flash|fmha", re.I)),
     ("Triton templates", re.compile(r"^triton_tem")),
     ("Triton (Inductor)", re.compile(r"^triton_")),
@@ -55,16 +56,16 @@ def interval(e: dict) -> tuple[float, float]:
     return e["ts"], e["ts"] + e.get("dur", 0.0)
 
 
-_NCCL_OP = re.compile(r"ncclDevKernel_([A-Za-z]+)")
+_OP = re.compile(r"ncclDevKernel_([A-Za-z]+)|symmetric_memory::(\w+?)_kernel")
 
 
 def exposed_by_collective(events: list[dict], compute: list[tuple[float, float]], steps: int = 1) -> dict[str, float]:
     """ms per step of each collective's exposed time (NCCL's kernel name: AllGather, ReduceScatter, AllReduce,
-    SendRecv, ...): where the exposed part of the step comes from."""
+    SendRecv, ...; `symm_mem barrier` for symmetric memory's): where the exposed part of the step comes from."""
     by_op: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for e in events:
-        if op := _NCCL_OP.search(e.get("name", "")):
-            by_op[op.group(1)].append(interval(e))
+        if op := _OP.search(e.get("name", "")):
+            by_op[op.group(1) or f"symm_mem {op.group(2)}"].append(interval(e))
     return {op: uncovered_length(spans, compute) / 1e3 / steps for op, spans in sorted(by_op.items())}
 
 

@@ -23,6 +23,7 @@ from kernel_mix import device_events, exposed_comm, kernel_mix, kind_of  # noqa:
     ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native:", "ATen (elementwise, reductions, indexing)"),
     ("Memcpy DtoD (Device -> Device)", "memcpy / memset"),
     ("ncclDevKernel_AllGather_RING_LL", "collectives"),
+    ("c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, unsigned long)", "collectives"),
     ("some_vendor_kernel", "other"),
 ])
 def test_kinds(name, kind):
@@ -70,6 +71,20 @@ def test_exposed_communication(tmp_path):
                                     # by tenth of the span (100 us each): 400-500, 600-800, 1,000-1,100
                                     "exposed_by_part_ms": [0.0, 0.0, 0.0, 0.1, 0.0, 0.1, 0.1, 0.0, 0.0, 0.1]}
     assert exposed_comm(events, steps=2)["exposed_comm_ms"] == 0.2
+
+
+def test_symmetric_memory_barrier_is_communication(tmp_path):
+    """async TP's fused ops wait for the peer in a barrier kernel on the compute stream: its time is exposed
+    communication, not compute, and is named apart."""
+    events = _trace(tmp_path, [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_gemm", "ts": 0.0, "dur": 100.0, "tid": 7},
+        {"ph": "X", "cat": "kernel", "name": "c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int)", "ts": 100.0,
+         "dur": 50.0, "tid": 7},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_gemm", "ts": 150.0, "dur": 100.0, "tid": 7},
+    ])
+    found = exposed_comm(events)
+    assert (found["exposed_comm_ms"], found["compute_idle_ms"]) == (0.05, 0.05)
+    assert found["exposed_by_collective_ms"] == {"symm_mem barrier": 0.05}
 
 
 def test_no_device_events_no_reading(tmp_path):
