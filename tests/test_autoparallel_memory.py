@@ -69,8 +69,9 @@ def _kept(*flags: str) -> dict:
 def test_auto_placed_step_keeps_and_recomputes_what_the_manual_one_does():
     manual, auto = _kept(*SELECTIVE), _kept(*SELECTIVE, "--compile.autoparallel")
     unchecked = _kept("--compile.autoparallel")
-    # every 2nd of the 6 blocks recomputes its 7 matmuls in backward
-    assert auto["matmuls"] == manual["matmuls"] == unchecked["matmuls"] + 3 * 7
+    # every 2nd of the 6 blocks recomputes 6 of its 7 matmuls in backward: not w2's, whose output only makes the
+    # block's output, which backward does not read (the trace drops it: capture/unread.py)
+    assert auto["matmuls"] == manual["matmuls"] == unchecked["matmuls"] + 3 * 6
     assert auto["activations"] == manual["activations"] < unchecked["activations"]
     # The solver gathered some weights along their dim 1 (its model priced that like dim 0); DTensor
     # then concatenates the gathered chunks, and reshard_after_forward cannot follow a gather through

@@ -145,6 +145,8 @@ def test_a_buffer_nothing_reads_between_blocks_stays_with_its_block(monkeypatch)
         return model
 
     monkeypatch.setattr(fake_trace, "annotate_blocks", with_dead_buffers)
+    # the trace drops what nothing reads at its end (capture/unread.py): kept here, to see where the buffers went
+    monkeypatch.setattr(fx_trace, "drop_unread", lambda gm: 0)
     templated = _trace(world, flags)
     assert templated.graph.meta["traced_blocks"] == 3
     dead = [n for n in templated.graph.graph.nodes if n.target is torch.ops.aten.empty.memory_format and not n.users]
