@@ -20,6 +20,7 @@ from .parallel.fake_data import FakeNeighbours
 from .parallel.mesh import Meshes
 from .parallel.pipeline import PipelineLayout, PipelineStep, StageIO, build_schedule, pipeline_total_norm, stage_grads, stage_views
 from .parallel.step_gather import StepGather
+from .passes import compile_workers
 
 TRACED_MODES = ("aot_fx_trace", "aot")
 logger = logging.getLogger("graph_trainer")
@@ -62,8 +63,9 @@ class Pipeline:
 
         def compile_stages() -> None:
             t0 = time.perf_counter()
-            for stage in traced:
-                stage.compile_for(io.input(stage.stage_index, ctx.device))
+            with compile_workers.lent(traced[0].pass_names, ctx.cfg, ctx.device):
+                for stage in traced:
+                    stage.compile_for(io.input(stage.stage_index, ctx.device))
             ctx.stats["pp_stages_compiled_first"] = len(traced)
             logger.info(f"compiled this rank's {len(traced)} pipeline stages before the first schedule: {time.perf_counter() - t0:.1f} s")
 

@@ -76,6 +76,48 @@ def test_a_piece_a_worker_cannot_compile_and_a_dead_worker_are_reported_not_rais
     assert not list(tmp_path.glob("*.bin")) and not workers.folder.exists()
 
 
+def test_kept_workers_compile_a_second_batch(tmp_path):
+    """Workers lent to several compiles (a pipeline rank's stage graphs) stay once a batch is done: the next batch is
+    compiled by the same processes, not answered with "the worker exited"."""
+    workers = compile_workers.CompileWorkers(1)
+    workers.kept = True
+    cache = CompileCache(tmp_path)
+    x = torch.randn(4)
+    try:
+        first = workers.compile([_job(lambda x: x + 1, x)], cache, None)
+        job = _job(lambda x: x * 3, x)
+        job.key = "j" + "0" * 63
+        second = workers.compile([job], cache, None)
+    finally:
+        workers.close()
+    assert (first, second) == ({"k" + "0" * 63: ""}, {"j" + "0" * 63: ""})
+    assert len(list(tmp_path.glob("*.bin"))) == 2
+
+
+PP_INTERLEAVED = ("--model.n_layers", "4", "--training.batch_size", "4", "--training.seq_len", "64", "--training.steps", "2",
+                  "--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B", "--parallelism.pp_microbatches", "4",
+                  "--compile.mode", "aot_fx_trace", "--compile.inductor_compilation", "full")
+
+
+@pytest.mark.slow
+def test_a_pipeline_rank_lends_one_set_of_workers_to_all_its_stage_graphs(tmp_path):
+    """Interleaved1F1B: each rank compiles four graphs (two stages, forward and backward). The workers started with
+    the job serve all four, each graph cut into pieces, which the first stage's compile leaves for the second: the
+    rank compiles nothing itself, and trains bit for bit as with each graph compiled whole by the rank."""
+    alone = cached_run((*PP_INTERLEAVED, "--compile.compile_workers", "0"), nproc=2)
+    proc = launch(["train", "--job.dump_folder", str(tmp_path), *PP_INTERLEAVED, "--compile.compile_workers", "1"], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    whole, lent = read_metrics(alone)[0], read_metrics(tmp_path)[0]
+    assert whole["compiled_blocks"] == whole["block_pieces"] == 4
+    # the ranks share the CPU cache folder: what the other rank stored first is loaded, not compiled again
+    assert lent["compiled_blocks"] > 4 and lent["decomposed_pieces"] == 0
+    assert lent["worker_compiled_pieces"] + lent["compile_cache_entries_loaded"] == lent["compiled_blocks"]
+    assert lent["compile_workers"] == 1 and lent["compile_workers_started_early"] is True
+    assert "failed, compiled here instead" not in proc.stderr
+    cold, warm = read_metrics(alone), read_metrics(tmp_path)
+    assert losses(warm) == losses(cold) and grad_norms(warm) == grad_norms(cold)
+
+
 class _Failing:
     """Workers whose every job fails (`why`), as a worker that crashes on each piece would; with no `why`, none is
     answered, as when every worker died before taking one."""

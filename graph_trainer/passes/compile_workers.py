@@ -33,6 +33,7 @@ compile of a small model is quicker than starting a worker. Workers need the com
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import pickle
@@ -42,7 +43,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -123,13 +124,15 @@ class CompileWorkers:
         """Each worker's seconds from its start to taking pieces, as its first answer says."""
         self.first_job: float | None = None
         """Seconds from the workers' start to the first piece sent."""
+        self.kept = False
+        """Lent to several compiles in a row (`lent`): a worker stays once a batch is done, for the next one."""
 
     def compile(self, jobs: list[Job], cache: compile_cache.CompileCache, options: dict | None,
                 on_stored: Callable[[str], None] | None = None) -> dict[str, str]:
         """Compile `jobs` into `cache`: for each key, "" where its entry was stored, else why not. `on_stored(key)` is
         called here, in the caller's thread, as each entry is stored, while the workers compile the others: the
-        caller waits on them anyway. Each worker is stopped as soon as no job is left for it: the workers compile one
-        batch."""
+        caller waits on them anyway. Each worker is stopped as soon as no job is left for it, unless the workers are
+        `kept` for a later batch."""
         try:
             groups = _groups([job.piece for job in jobs])
         except Exception as e:  # noqa: BLE001  (workers that cannot name the groups leave every piece to the pass)
@@ -179,7 +182,8 @@ class CompileWorkers:
                     # the end of the jobs, left for the other feeders; this worker is done: its exit (a CUDA
                     # context torn down) overlaps the others' compiles instead of adding to `close`
                     todo.put(None)
-                    proc.kill()
+                    if not self.kept:
+                        proc.kill()
                     return
                 job, path = item
                 try:
@@ -236,9 +240,46 @@ def start(pass_names: list[str], cfg: Any, device: torch.device) -> bool:
 
 
 def take() -> CompileWorkers | None:
-    """The workers `start` started (the caller closes them), or None."""
+    """The workers lent to this compile (`lent`; `give_back` keeps them), or those `start` started (`give_back` closes
+    them), or None."""
     global _started
+    if _lent is not None:
+        return _lent
     workers, _started = _started, None
     if workers is not None:
         atexit.unregister(workers.close)
     return workers
+
+
+def give_back(workers: CompileWorkers) -> None:
+    """The end of one compile's use of `workers` (from `take` or `launch`): closed, unless lent to several."""
+    if workers is not _lent:
+        workers.close()
+
+
+_lent: CompileWorkers | None = None
+
+
+def lending() -> bool:
+    """Whether workers are lent to the compiles now running (`lent`)."""
+    return _lent is not None
+
+
+@contextlib.contextmanager
+def lent(pass_names: list[str], cfg: Any, device: torch.device) -> Iterator[bool]:
+    """One set of workers for several compiles in a row (a pipeline rank's stage graphs, forward and backward of each):
+    started now (or adopted from `graph-trainer train`'s early start), each compile takes them and leaves them running,
+    stopped on exit. Started per compile, each of a rank's four Interleaved1F1B graphs would wait again for new workers'
+    imports (14-18 s on one H200). Yields whether the rank has workers."""
+    global _lent
+    if not start(pass_names, cfg, device):
+        yield False
+        return
+    workers = take()
+    workers.kept = True
+    _lent = workers
+    try:
+        yield True
+    finally:
+        _lent = None
+        workers.close()
