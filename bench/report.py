@@ -142,17 +142,25 @@ def _exposed_prediction_table(results: list[dict]) -> list[str]:
     lines = ["", "Exposed communication, predicted by the cost model (prediction.json) against measured from the profile "
                  "(collective kernel time no compute kernel overlaps, rank 0's trace); right within "
                  f"{100 * PREDICTION_TOLERANCE[0]:.0f}% or {100 * PREDICTION_TOLERANCE[1]:.0f}% of the kernel span:", "",
-             "| group | run | kernel span ms | measured exposed ms | by NCCL operation ms | by tenth of the span ms | predicted exposed ms | predicted compute ms | verdict |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| group | run | kernel span ms | measured exposed ms | by NCCL operation ms | by tenth of the span ms | predicted exposed ms | predicted by kind ms | predicted compute ms | verdict | all-to-all verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         measured, predicted, span = r["trace_exposed_comm_ms"], r["predicted_exposed_comm_ms"], r["trace_kernel_span_ms"]
-        miss = abs(predicted - measured)
-        right = miss <= PREDICTION_TOLERANCE[0] * measured or miss <= PREDICTION_TOLERANCE[1] * span
         by_op = "; ".join(f"{op} {ms:.1f}" for op, ms in r.get("trace_exposed_by_collective_ms", {}).items() if ms >= 0.05) or "-"
         by_part = " ".join(f"{ms:.1f}" for ms in r.get("trace_exposed_by_part_ms", [])) or "-"
-        lines.append(f"| {r['group']} | {r['name']} | {span:.1f} | {measured:.1f} | {by_op} | {by_part} | {predicted:.1f} | {r['predicted_compute_ms']:.1f} | "
-                     f"{'within' if right else 'OUTSIDE'} |")
+        by_kind = r.get("predicted_exposed_by_kind_ms", {})
+        predicted_kinds = "; ".join(f"{kind} {ms:.1f}" for kind, ms in by_kind.items() if ms >= 0.05) or "-"
+        # NCCL runs an all-to-all as point-to-point sends: its kernels are the trace's SendRecv
+        exchange = ("-" if "all_to_all" not in by_kind else
+                    _prediction_verdict(r.get("trace_exposed_by_collective_ms", {}).get("SendRecv", 0.0), by_kind["all_to_all"], span))
+        lines.append(f"| {r['group']} | {r['name']} | {span:.1f} | {measured:.1f} | {by_op} | {by_part} | {predicted:.1f} | {predicted_kinds} | "
+                     f"{r['predicted_compute_ms']:.1f} | {_prediction_verdict(measured, predicted, span)} | {exchange} |")
     return lines
+
+
+def _prediction_verdict(measured: float, predicted: float, span: float) -> str:
+    miss = abs(predicted - measured)
+    return "within" if miss <= PREDICTION_TOLERANCE[0] * measured or miss <= PREDICTION_TOLERANCE[1] * span else "OUTSIDE"
 
 
 def _pipelined(r: dict) -> bool:

@@ -221,6 +221,7 @@ def cost_model_prediction(dump: Path) -> dict:
         return {}
     p = json.loads(path.read_text())
     return {"predicted_compute_ms": p["compute_ms"], "predicted_exposed_comm_ms": p["exposed_comm_ms"],
+            "predicted_exposed_by_kind_ms": p.get("exposed_comm_ms_by_kind", {}),
             "predicted_real_step_ms": p["step_ms"], "prediction_hardware": p.get("hardware"), "prediction_bandwidths": p.get("bandwidths")}
 
 

@@ -33,6 +33,10 @@ def predict(world_size: int) -> dict[str, Any] | None:
     hw = estimates[0].hardware
     step = sum(e.step_s for e in estimates)
     exposed = sum(e.exposed_comm_s for e in estimates)
+    by_kind: dict[str, float] = {}
+    for e in estimates:
+        for kind, seconds in e.schedule.exposed_by_kind.items():
+            by_kind[kind] = by_kind.get(kind, 0.0) + seconds
     return {
         "hardware": hw["hardware"],
         "bandwidths": {"intra_node_GBps": hw["intra_node_GBps"], "inter_node_GBps": hw["inter_node_GBps"]},
@@ -41,6 +45,7 @@ def predict(world_size: int) -> dict[str, Any] | None:
         "compute_ms": (step - exposed) * 1e3,
         "comm_ms": sum(e.comm_s for e in estimates) * 1e3,
         "exposed_comm_ms": exposed * 1e3,
+        "exposed_comm_ms_by_kind": {kind: seconds * 1e3 for kind, seconds in sorted(by_kind.items())},
         "step_ms": step * 1e3,
         "memory_gib": {**{k: v / GiB for k, v in memory.items()}, "total": sum(memory.values()) / GiB},
     }

@@ -138,6 +138,19 @@ def test_simulation_hides_comm_behind_compute_only_when_issued_early():
     assert queued.exposed_comm_s == pytest.approx(1.0)
 
 
+def test_simulation_splits_the_exposed_time_by_the_kind_waited_for():
+    """A wait's stall counts for its collective's kind, also where it queued behind another kind on its communicator
+    (where a profile counts the other kind: its kernel is the one running)."""
+    prefix = prefix_times([1.0] * 10)
+    timeline = simulate(prefix, [Transfer(0, 9, 4.0, kind="reduce_scatter"), Transfer(1, 5, 2.0, kind="all_to_all"),
+                                 Transfer(8, 9, 3.5, channel="twin", kind="all_gather"), Transfer(9, 10, 2.0, kind="all_reduce")])
+    # the all-to-all queues behind the reduce-scatter (done at 6, waited for at 5: 1 s); the all-gather on its own
+    # communicator, issued at 9 (8 + the stall), is waited for at 10 and done at 12.5; the reduce-scatter was done at 4,
+    # the all-reduce (issued at 10, done at 12) by the time compute reaches its wait (13.5)
+    assert timeline.exposed_by_kind == pytest.approx({"all_to_all": 1.0, "all_gather": 2.5, "reduce_scatter": 0.0, "all_reduce": 0.0})
+    assert timeline.exposed_comm_s == pytest.approx(3.5) and timeline.step_s == pytest.approx(13.5)
+
+
 def test_roofline_counts_matmul_flops(fake_pg):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx

@@ -20,7 +20,7 @@ from graph_trainer.autoparallel.entry import PLAN_MEMORY_RESERVE
 from graph_trainer.autoparallel.memory import ActivationPolicy
 from graph_trainer.config import ConfigError, parse_args
 from graph_trainer.passes.bucketing import SCHEDULE_META
-from graph_trainer.passes.cost_model import CostModel
+from graph_trainer.passes.cost_model import CostModel, Link
 from graph_trainer.passes.step_estimate import estimate_graph
 from graph_trainer.units import GiB
 from tests.helpers import launch, run_train
@@ -174,6 +174,10 @@ def test_training_writes_the_prediction_of_its_graph(tmp_path):
     assert pred["bandwidths"] == {"intra_node_GBps": 0.5, "inter_node_GBps": 0.5}
     assert pred["exposed_comm_ms"] == pytest.approx(pred["step_ms"] - pred["compute_ms"])
     assert 0 < pred["compute_ms"] < pred["step_ms"] < pred["compute_ms"] + pred["comm_ms"]
+    # a dp_shard step's waits are its FSDP collectives' (and the gradient norm's all-reduce)
+    by_kind = pred["exposed_comm_ms_by_kind"]
+    assert set(by_kind) <= {"all_gather", "reduce_scatter", "all_reduce"} and by_kind.get("all_gather", 0) > 0
+    assert sum(by_kind.values()) == pytest.approx(pred["exposed_comm_ms"])
     spec = models.get_spec("llama3")
     numel = sum(p.numel() for p in models.build_on_meta(spec, spec.args_for("debugmodel", 64), "cpu").parameters())
     memory = pred["memory_gib"]
@@ -269,7 +273,6 @@ def test_dtensors_shard_to_shard_all_to_all_is_counted_and_priced_as_an_all_to_a
 
     from graph_trainer.graph_dump import is_collective, summarize
     from graph_trainer.parallel.compat import init_fake_process_group
-    from graph_trainer.passes.cost_model import Link
 
     # its own 2 ranks (the plan tests here re-initialise the process group with other sizes)
     init_fake_process_group(2)
@@ -437,6 +440,20 @@ def test_collectives_the_planners_do_not_move_are_communication_not_compute(fake
     mul.prepend(wait)
     overlapped = as_issued(gm, model)
     assert overlapped.compute_s == blocking.compute_s and overlapped.exposed_comm_s == 0.0
+
+
+def test_all_to_alls_are_priced_with_the_figures_the_probe_measured_for_them():
+    """On the expert-parallel dimension the probe times all-to-alls apart (NCCL sends them point to point, slower
+    than a ring all-gather): the cost model prices all-to-alls with those figures and the other collectives with the
+    all-gathers'; a dimension without them prices all-to-alls as all-gathers."""
+    hw = hardware.select("h200", torch.device("cpu"))
+    links = {"ep": Link(2, False, 340e9, 6e-6, (130e9, 9e-6)), "dp": Link(2, False, 340e9, 6e-6)}
+    model = CostModel(hw, links)
+    size = 96 << 20
+    assert model.collective_time("all_to_all", size, 2, "ep") == hardware.ring_collective_s("all_to_all", size, 2, 130e9, 9e-6)
+    assert model.collective_time("all_gather", size, 2, "ep") == hardware.ring_collective_s("all_gather", size, 2, 340e9, 6e-6)
+    assert model.collective_time("all_to_all", size, 2, "dp") == hardware.ring_collective_s("all_to_all", size, 2, 340e9, 6e-6)
+    assert model.collective_time("all_to_all", size, 2, "ep") > 2.5 * model.collective_time("all_to_all", size, 2, "dp")
 
 
 def test_the_link_probe_fit_recovers_the_ring_model_the_cost_model_prices_with():

@@ -5,9 +5,10 @@
   beside the reduce-scatters (passes/gather_group.py). `all_to_all_twins`: a third one, for the expert
   all-to-alls of passes/ep_overlap.py.
 - `probe`: the bandwidth and latency of each mesh dimension's link, timed once at start-up with
-  all-gathers of two sizes (the median call of each) and fitted to the ring model the cost model
+  all-gathers of two sizes (the median call of each, on the device: the calls queue behind a sleep) and fitted to the ring model the cost model
   prices collectives with (hardware.ring_collective_s: `steps * latency + (ranks - 1) / ranks *
-  bytes / bandwidth`). Every
+  bytes / bandwidth`); on the expert-parallel dimension also all-to-alls, fitted the same way. NCCL
+  runs an all-to-all as point-to-point sends, and copies the rank's own share in the same kernel. Every
   rank takes the slowest rank's times (an all-reduce of the timings), so every rank derives the same
   schedule from the same graph: ranks that planned differently would deadlock.
 """
@@ -35,6 +36,7 @@ class Measured:
 _TWINS: dict[str, str] = {}
 _A2A_TWINS: dict[str, str] = {}
 _MEASURED: dict[str, Measured] = {}
+_MEASURED_ALL_TO_ALL: dict[str, Measured] = {}
 _WORLD: dict[str, object] = {}
 """The default group the twins and measurements belong to: a new process group (a test's second
 job, a re-initialised fake group) starts afresh."""
@@ -101,25 +103,44 @@ def twin_of(group_name: str) -> str | None:
 
 
 PROBE_BYTES = (1 << 20, 64 << 20)
-"""Gathered sizes timed: the small one is latency-bound, the large one bandwidth-bound on NVLink."""
+"""Sizes timed (gathered, or each rank's all-to-all buffer): the small one is latency-bound, the large one
+bandwidth-bound on NVLink."""
 PROBE_REPEATS = (50, 10)
 """Calls timed per size, back to back, each on its own: the median call is the link's, not a rank that
 arrived late at one of them (the 8B runs of 2026-11-27 measured 159-348 GB/s on the same NVLink when
 the calls were timed as one span)."""
+HOLD_CYCLES = 50_000_000
+"""GPU clock cycles the stream sleeps before each size's timed calls (25-35 ms at H100/H200 clocks), so that
+the host has queued all of them before the first runs: timed as the host issued them, each small call took
+the host's ~70 us to issue (two H200s: 68.6-69.2 us "per ring step"), and the fit through that point made
+the link faster than it is (368 GB/s for all-gathers, 475 for all-to-alls, where the step's 402 MB
+all-to-alls ran at 250-300 GB/s)."""
 
 
-def _time_all_gather(group, ranks: int, nbytes: int, repeats: int, device: torch.device) -> float:
-    """The median of `repeats` all-gathers' times on this rank's stream."""
-    shard = torch.empty(nbytes // ranks // 2, dtype=torch.bfloat16, device=device)
-    out = torch.empty(shard.numel() * ranks, dtype=shard.dtype, device=device)
+def _time(kind: str, group, ranks: int, nbytes: int, repeats: int, device: torch.device) -> float:
+    """The median of `repeats` collectives' times on this rank's stream: all-gathers whose gathered output is
+    `nbytes`, or all-to-alls of `nbytes` a rank (the unsharded size, as the cost model prices both)."""
+    if kind == "all_gather":
+        src = torch.empty(nbytes // ranks // 2, dtype=torch.bfloat16, device=device)
+        out = torch.empty(src.numel() * ranks, dtype=src.dtype, device=device)
+
+        def call() -> None:
+            dist.all_gather_into_tensor(out, src, group=group)
+    else:
+        src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+        out = torch.empty_like(src)
+
+        def call() -> None:
+            dist.all_to_all_single(out, src, group=group)
     for _ in range(3):
-        dist.all_gather_into_tensor(out, shard, group=group)
+        call()
     dist.barrier(group=group)
     torch.cuda.synchronize(device)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+    torch.cuda._sleep(HOLD_CYCLES)
     events[0].record()
     for event in events[1:]:
-        dist.all_gather_into_tensor(out, shard, group=group)
+        call()
         event.record()
     torch.cuda.synchronize(device)
     return statistics.median(a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:]))
@@ -127,7 +148,7 @@ def _time_all_gather(group, ranks: int, nbytes: int, repeats: int, device: torch
 
 def fit(ranks: int, small_s: float, large_s: float) -> Measured:
     """Bandwidth and latency per ring step from the times of the two probe sizes (hardware.ring_collective_s's
-    model: `steps * latency + (ranks - 1) / ranks * bytes / bandwidth`)."""
+    model of an all-gather and of an all-to-all: `steps * latency + (ranks - 1) / ranks * bytes / bandwidth`)."""
     small, large = PROBE_BYTES
     share = (ranks - 1) / ranks
     bandwidth = share * (large - small) / max(large_s - small_s, 1e-9)
@@ -146,17 +167,23 @@ def probe(meshes, device: torch.device) -> dict[str, Measured]:
         return measured
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    times = torch.tensor([[_time_all_gather(_resolve_process_group(name), len(groups[0]), n, k, device)
-                           for n, k in zip(PROBE_BYTES, PROBE_REPEATS)] for name, groups in dims], dtype=torch.float64, device=device)
+    expert = meshes.ep.get_group().group_name if meshes.degrees.ep > 1 else None
+    probes = [("all_gather", name, groups) for name, groups in dims]
+    probes += [("all_to_all", name, groups) for name, groups in dims if name == expert]
+    times = torch.tensor([[_time(kind, _resolve_process_group(name), len(groups[0]), n, k, device)
+                           for n, k in zip(PROBE_BYTES, PROBE_REPEATS)] for kind, name, groups in probes],
+                         dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    for (name, groups), (t_small, t_large) in zip(dims, times.tolist()):
-        measured[name] = found = fit(len(groups[0]), t_small, t_large)
-        logger.info(f"link of {len(groups[0])} ranks ({name}): {found.bytes_per_s / 1e9:.0f} GB/s, "
+    by_kind = {"all_gather": measured, "all_to_all": _current("measured_all_to_all", _MEASURED_ALL_TO_ALL)}
+    for (kind, name, groups), (t_small, t_large) in zip(probes, times.tolist()):
+        by_kind[kind][name] = found = fit(len(groups[0]), t_small, t_large)
+        logger.info(f"link of {len(groups[0])} ranks ({name}, {kind.replace('_', '-')}): {found.bytes_per_s / 1e9:.0f} GB/s, "
                     f"{found.latency_s * 1e6:.1f} us per ring step (measured)")
     return measured
 
 
-def measured_link(group_name: str) -> Measured | None:
-    """The probe's figures for a mesh group or its twin (None where nothing was measured)."""
-    measured = _current("measured", _MEASURED)
+def measured_link(group_name: str, kind: str = "all_gather") -> Measured | None:
+    """The probe's figures for a mesh group or its twin (None where nothing was measured): its all-gathers', or its
+    all-to-alls' (`kind` "all_to_all", the expert-parallel dimension only)."""
+    measured = _current("measured", _MEASURED) if kind != "all_to_all" else _current("measured_all_to_all", _MEASURED_ALL_TO_ALL)
     return measured.get(group_name) or measured.get(twin_of(group_name) or "")

@@ -80,7 +80,8 @@ def fixed_transfers(order: list[fx.Node], planned: set[fx.Node], model: CostMode
         waits = [u for u in n.users if u.target is WAIT]
         if kind is None or n in planned or len(waits) != 1:
             continue
-        fixed.append(Transfer(i, pos[waits[0]], model.collective_node_time(n, kind), model.hw.launch_s, channel=n.args[-1]))
+        fixed.append(Transfer(i, pos[waits[0]], model.collective_node_time(n, kind), model.hw.launch_s, channel=n.args[-1],
+                              kind=kind))
     return fixed
 
 
@@ -162,7 +163,7 @@ def transfers(buckets: list[Bucket], model: CostModel) -> list[Transfer]:
             copy_in, copy_out = model.copy_time(b.nbytes), 0.0
         out.append(Transfer(b.issue, b.wait, _comm_time(b, model),
                             model.hw.launch_s + (copy_in if merged else 0.0), copy_out if merged else 0.0,
-                            b.members[0].group_name))
+                            b.members[0].group_name, b.kind))
     return out
 
 

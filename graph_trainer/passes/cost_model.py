@@ -51,6 +51,9 @@ class Link:
     bytes_per_s: float | None = None
     """Measured (parallel/links.probe); None: the hardware's figure for the link kind."""
     latency_s: float | None = None
+    all_to_all: tuple[float, float] | None = None
+    """(bytes/s, latency per ring step) of its all-to-alls, where the probe timed them (the expert-parallel
+    dimension); else all-to-alls are priced with the figures above."""
 
 
 def mesh_links(meshes: Any, hw: Hardware) -> dict[str, Link]:
@@ -68,8 +71,10 @@ def mesh_links(meshes: Any, hw: Hardware) -> dict[str, Link]:
             group = mesh.get_group(dim)
             ranks = torch.distributed.get_process_group_ranks(group)
             measured = measured_link(group.group_name)
+            exchange = measured_link(group.group_name, "all_to_all")
             links[group.group_name] = Link(len(ranks), len({r // per_host for r in ranks}) > 1,
-                                           measured and measured.bytes_per_s, measured and measured.latency_s)
+                                           measured and measured.bytes_per_s, measured and measured.latency_s,
+                                           exchange and (exchange.bytes_per_s, exchange.latency_s))
     # twin communicators (made by passes/gather_group.py and ep_overlap.py, never by pricing) share the link
     for name, twin in made_twins():
         if name in links:
@@ -189,17 +194,19 @@ class CostModel:
         hw = select(ctx.cfg.compile.hardware, ctx.device)
         return cls(hw, mesh_links(ctx.meshes, hw), fused)
 
-    def _link(self, group_name: str) -> tuple[float, float]:
+    def _link(self, group_name: str, kind: str = "all_gather") -> tuple[float, float]:
         link = self.links.get(group_name)
         bandwidth, latency = self.hw.link(link is not None and link.inter_host)
+        if link is not None and kind == "all_to_all" and link.all_to_all is not None:
+            return link.all_to_all
         if link is not None and link.bytes_per_s is not None:
             return link.bytes_per_s, link.latency_s
         return bandwidth, latency
 
     def collective_time(self, kind: str, nbytes: int, group_size: int, group_name: str = "") -> float:
         """Seconds for one ring collective; `nbytes` is the unsharded size (gathered output,
-        reduce-scatter input, all-reduce tensor)."""
-        bw, latency = self._link(group_name)
+        reduce-scatter input, all-reduce tensor, a rank's all-to-all buffer)."""
+        bw, latency = self._link(group_name, kind)
         return ring_collective_s(kind, nbytes, group_size, bw, latency)
 
     def blocking_collective_time(self, node: fx.Node, kind: str) -> float:
@@ -227,7 +234,7 @@ class CostModel:
         collective is latency-bound and merging more tensors into it is nearly free."""
         if group_size <= 1:
             return 0
-        bw, latency = self._link(group_name)
+        bw, latency = self._link(group_name, kind)
         # latency * steps = share * (latency * steps + steps/n * S / bw), solved for S.
         return int(math.ceil(latency * group_size * bw * (1 - latency_share) / latency_share))
 
@@ -328,6 +335,8 @@ class Transfer:
     """Compute-side time spent after the wait (copies out of the bucket)."""
     channel: str = ""
     """The communicator (process group name): collectives of one run one after another."""
+    kind: str = ""
+    """all_gather, reduce_scatter, all_reduce or all_to_all (a bucket's), for `Timeline.exposed_by_kind`."""
 
 
 @dataclass(frozen=True)
@@ -336,6 +345,9 @@ class Timeline:
     compute_s: float
     exposed_comm_s: float
     comm_s: float
+    exposed_by_kind: dict[str, float] = field(default_factory=dict)
+    """The exposed time by the kind of the collective compute waited for (what a profile's exposed time by
+    collective kernel compares with); the step's tail goes to the collective that ends last."""
 
 
 def prefix_times(times: Sequence[float]) -> list[float]:
@@ -356,7 +368,9 @@ def simulate(prefix: Sequence[float], transfers: Iterable[Transfer]) -> Timeline
     events.sort(key=lambda e: (e[0], e[1], e[2]))
     extra = 0.0
     stalled = 0.0
+    by_kind: dict[str, float] = {}
     comm_free: dict[str, float] = {}
+    last: dict[str, str] = {}
     comm_total = 0.0
     done: dict[int, float] = {}
     for pos, is_wait, i, t in events:
@@ -364,12 +378,17 @@ def simulate(prefix: Sequence[float], transfers: Iterable[Transfer]) -> Timeline
         if not is_wait:
             start = max(now, comm_free.get(t.channel, 0.0))
             comm_free[t.channel] = done[i] = start + t.comm_s
+            last[t.channel] = t.kind
             comm_total += t.comm_s
             extra += t.issue_cost_s
         else:
             stall = max(0.0, done[i] - now)
             stalled += stall
+            by_kind[t.kind] = by_kind.get(t.kind, 0.0) + stall
             extra += stall + t.wait_cost_s
     end = prefix[-1] + extra
-    tail = max(0.0, max(comm_free.values(), default=0.0) - end)
-    return Timeline(end + tail, prefix[-1], stalled + tail, comm_total)
+    finish, channel = max(((v, k) for k, v in comm_free.items()), default=(0.0, ""))
+    tail = max(0.0, finish - end)
+    if tail:
+        by_kind[last[channel]] = by_kind.get(last[channel], 0.0) + tail
+    return Timeline(end + tail, prefix[-1], stalled + tail, comm_total, by_kind)
