@@ -159,7 +159,7 @@ def probe(meshes, device: torch.device) -> dict[str, Measured]:
     """Time every mesh dimension's link once (a few milliseconds on NVLink) and keep the fit. GPUs
     only: a fake process group moves nothing, and the CPU test machines' gloo loopback is what
     hardware.CPU_GLOO describes."""
-    measured = _current("measured", _MEASURED)
+    measured = _measured("all_gather")
     if measured or device.type != "cuda" or not dist.is_initialized() or dist.get_backend() == "fake":
         return measured
     dims = mesh_dims(meshes)
@@ -174,9 +174,8 @@ def probe(meshes, device: torch.device) -> dict[str, Measured]:
                            for n, k in zip(PROBE_BYTES, PROBE_REPEATS)] for kind, name, groups in probes],
                          dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    by_kind = {"all_gather": measured, "all_to_all": _current("measured_all_to_all", _MEASURED_ALL_TO_ALL)}
     for (kind, name, groups), (t_small, t_large) in zip(probes, times.tolist()):
-        by_kind[kind][name] = found = fit(len(groups[0]), t_small, t_large)
+        _measured(kind)[name] = found = fit(len(groups[0]), t_small, t_large)
         logger.info(f"link of {len(groups[0])} ranks ({name}, {kind.replace('_', '-')}): {found.bytes_per_s / 1e9:.0f} GB/s, "
                     f"{found.latency_s * 1e6:.1f} us per ring step (measured)")
     return measured
@@ -185,5 +184,12 @@ def probe(meshes, device: torch.device) -> dict[str, Measured]:
 def measured_link(group_name: str, kind: str = "all_gather") -> Measured | None:
     """The probe's figures for a mesh group or its twin (None where nothing was measured): its all-gathers', or its
     all-to-alls' (`kind` "all_to_all", the expert-parallel dimension only)."""
-    measured = _current("measured", _MEASURED) if kind != "all_to_all" else _current("measured_all_to_all", _MEASURED_ALL_TO_ALL)
+    measured = _measured(kind)
     return measured.get(group_name) or measured.get(twin_of(group_name) or "")
+
+
+def _measured(kind: str) -> dict[str, Measured]:
+    """The probe's fits of this process group by mesh group: of its all-to-alls, or of its all-gathers (any other kind)."""
+    if kind == "all_to_all":
+        return _current("measured_all_to_all", _MEASURED_ALL_TO_ALL)
+    return _current("measured", _MEASURED)

@@ -226,6 +226,8 @@ def launch(cfg: Any, device: torch.device) -> CompileWorkers | None:
 
 
 _started: CompileWorkers | None = None
+_lent: CompileWorkers | None = None
+"""The workers `lent` holds for the compiles now running."""
 
 
 def start(pass_names: list[str], cfg: Any, device: torch.device) -> bool:
@@ -255,9 +257,6 @@ def give_back(workers: CompileWorkers) -> None:
     """The end of one compile's use of `workers` (from `take` or `launch`): closed, unless lent to several."""
     if workers is not _lent:
         workers.close()
-
-
-_lent: CompileWorkers | None = None
 
 
 def lending() -> bool:

@@ -346,8 +346,8 @@ class Timeline:
     exposed_comm_s: float
     comm_s: float
     exposed_by_kind: dict[str, float] = field(default_factory=dict)
-    """The exposed time by the kind of the collective compute waited for (what a profile's exposed time by
-    collective kernel compares with); the step's tail goes to the collective that ends last."""
+    """The exposed time by the kind of the collective each wait stalled for (what a profile's exposed time by
+    collective kernel compares with)."""
 
 
 def prefix_times(times: Sequence[float]) -> list[float]:
@@ -370,7 +370,6 @@ def simulate(prefix: Sequence[float], transfers: Iterable[Transfer]) -> Timeline
     stalled = 0.0
     by_kind: dict[str, float] = {}
     comm_free: dict[str, float] = {}
-    last: dict[str, str] = {}
     comm_total = 0.0
     done: dict[int, float] = {}
     for pos, is_wait, i, t in events:
@@ -378,7 +377,6 @@ def simulate(prefix: Sequence[float], transfers: Iterable[Transfer]) -> Timeline
         if not is_wait:
             start = max(now, comm_free.get(t.channel, 0.0))
             comm_free[t.channel] = done[i] = start + t.comm_s
-            last[t.channel] = t.kind
             comm_total += t.comm_s
             extra += t.issue_cost_s
         else:
@@ -387,8 +385,5 @@ def simulate(prefix: Sequence[float], transfers: Iterable[Transfer]) -> Timeline
             by_kind[t.kind] = by_kind.get(t.kind, 0.0) + stall
             extra += stall + t.wait_cost_s
     end = prefix[-1] + extra
-    finish, channel = max(((v, k) for k, v in comm_free.items()), default=(0.0, ""))
-    tail = max(0.0, finish - end)
-    if tail:
-        by_kind[last[channel]] = by_kind.get(last[channel], 0.0) + tail
+    tail = max(0.0, max(comm_free.values(), default=0.0) - end)
     return Timeline(end + tail, prefix[-1], stalled + tail, comm_total, by_kind)
