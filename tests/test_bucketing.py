@@ -269,6 +269,22 @@ def test_transformer_block_bucketing_one_bucket_per_block(fake_pg):
     assert all(start_next < wait for start_next, wait in zip(starts[1:], waits))
 
 
+def test_a_blocks_all_reduce_does_not_cut_its_reduce_scatter_short():
+    """Each block's reduce-scatter (sharded gradients) and all-reduce (replicated ones: the norms auto placement keeps
+    whole) are ready together; each is waited for where the next block's reduction of its own kind is issued. Waited for
+    at the next reduction of any kind, the reduce-scatter waited right after the block's own all-reduce: 28 ms of an
+    auto-placed 8B-16L step's reduce-scatters exposed on 2 H200s."""
+    from types import SimpleNamespace
+
+    from graph_trainer.passes.bucket_plan import place_per_block
+
+    buckets = [Bucket([SimpleNamespace(kind=kind, ready=ready, need=1000, nbytes=1)])
+               for ready in (100, 200, 300) for kind in ("reduce_scatter", "all_reduce")]
+    place_per_block(buckets)
+    for kind in ("reduce_scatter", "all_reduce"):
+        assert [(b.issue, b.wait) for b in buckets if b.kind == kind] == [(100, 200), (200, 300), (300, 1000)], kind
+
+
 def test_in_graph_optimizer_gradients_are_bucketed_per_block(fake_pg):
     """The in-graph optimizer reads every gradient (the norm, then its update): no gradient reaches the outputs,
     so the update's mark on its reader names the parameter, and the reduce-scatters are bucketed per block as

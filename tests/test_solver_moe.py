@@ -70,18 +70,22 @@ def test_debug_on_2_ranks_gathers_small_experts_unless_ep_is_pinned():
 
 
 @pytest.mark.slow
-def test_solver_chooses_expert_parallelism_for_16b_on_8_ranks():
-    p = plan("--config", "configs/deepseek_v3_16b.toml", "--model.attention", "sdpa", "--parallelism.dp_shard", "8", "--parallelism.ep", "1",
-             *FULL_AC)
+def test_solver_chooses_expert_parallelism_for_16b_across_two_nodes():
+    """16 ranks, two nodes of 8: gathering 1 GiB of experts a layer over the 40 GB/s link between the nodes outlasts
+    the layer's compute, so the experts stay where they are stored and the tokens travel. (Within one node the
+    gathers hide behind compute in the cost model, which then gathers the experts: the test below pins ep.)"""
+    p = plan("--config", "configs/deepseek_v3_16b.toml", "--model.attention", "sdpa", "--parallelism.dp_shard", "16",
+             "--training.batch_size", "16", "--parallelism.ep", "1", *FULL_AC)
     moe = p["moe"]["layers.*.moe"]
-    assert moe["alternatives"] == 4 and moe["expert_parallel"] == {"dim": "dp_shard", "degree": 8}, moe
+    assert moe["alternatives"] == 4 and moe["expert_parallel"] == {"dim": "dp_shard", "degree": 16}, moe
     for w in EXPERT_WEIGHTS:  # stored as computed: no gather of 1 GiB of experts per layer
         assert p["params"][w]["storage"] == p["params"][w]["compute"] == ["S0"], w
     layers = 26
     assert 3 * layers <= count(p, "all_to_all (forward)") <= 3 * layers + 1
     assert 2 * layers <= count(p, "all_to_all (backward)") <= 2 * layers + 1
     assert p["params"]["layers.*.attention.wq.weight"]["compute"] == ["R"]  # dense parts stay FSDP-like
-    assert p["program"]["lp_integral"]
+    # the overlap rows (program.py) can leave the LP fractional: then the MIP proves the plan
+    assert p["program"]["status"] == "optimal" and p["program"]["solve_s"] < 5, p["program"]
 
 
 @pytest.mark.slow

@@ -80,6 +80,11 @@ class _Value:
     grad_nbytes: float | None
     shape: tuple[int, ...]
     latency_share: float = 1.0
+    contiguous: bool = True
+    """False for a parameter's strided view (a weight's transpose): its shard is copied contiguous before it is sent. A weight
+    stored Shard(1) and read transposed gathers its transpose's Shard(0) that way: 31.8 ms of `cat_clone_permute`
+    copies in an auto-placed 8B step on 4 H200s (bench/results/2026-11-28-auto-placed-4gpu), which the solver did not
+    price and so chose over Shard(0), whose weight is gathered before the transpose."""
 
 
 @dataclass
@@ -103,8 +108,10 @@ class _Builder:
     the FSDP-like ones a schedule overlaps with compute (step_time.py)."""
 
     def add_node(self, strategies: list[Strategy], costs: list[float], label: tuple[int, str], memory: list[float] | None = None,
-                 memory_kind: str = "states") -> int:
-        self.nodes.append(program.ProgramNode(costs, memory))
+                 memory_kind: str = "states", computes: bool = True) -> int:
+        """`computes`: its costs are its unit's compute, behind which the unit's parameter collectives run (not a
+        parameter's optimizer step, which comes after every reduction)."""
+        self.nodes.append(program.ProgramNode(costs, memory, label[0] if computes and label[0] >= 0 else None))
         self.strategies.append(strategies)
         self.labels.append(label)
         if memory is not None:
@@ -117,14 +124,24 @@ class _Builder:
         di = {k: i for i, k in enumerate(dict.fromkeys(dst_keys))}
         table = {(a, c): price(a, c) for a in si for c in di}
         cost = [[table[(a, c)][0] for c in di] for a in si]
-        self.edges.append(program.ProgramEdge(src, dst, [si[k] for k in src_keys], [di[k] for k in dst_keys], cost))
+        # a parameter's collectives run beside its unit's compute (prefetched gathers, deferred reductions); the
+        # copies around them do not
+        hidden = self.labels[src][0] if src in self.param_like and self.labels[src][0] >= 0 else None
+        comm = [[sum(t for *_, t in table[(a, c)][1]) for c in di] for a in si] if hidden is not None else None
+        self.edges.append(program.ProgramEdge(src, dst, [si[k] for k in src_keys], [di[k] for k in dst_keys], cost, hidden,
+                                              comm))
         self.edge_info.append((src_keys, dst_keys, table))
 
     def _price(self, value: _Value, nbytes: float, src: Spec, dst: Spec, mult: float, direction: str) -> tuple[float, list]:
+        """(seconds, [(direction, collective, count, bytes, seconds of the collective alone)])."""
         t, colls = self.comm.redistribute(nbytes, src, dst, value.latency_share, value.shape)
         if math.isinf(t):
             return t, []
-        return mult * t, [(direction, kind, mult, mult * b, mult * t / len(colls)) for kind, b in colls]
+        copy = self.comm.copy_s(nbytes, src, dst, value.shape)
+        comm = t - copy
+        if colls and direction == "forward" and not value.contiguous:
+            copy += self.comm.reorder_copy(nbytes / shard_factor(src, self.mesh.sizes))
+        return mult * (comm + copy), [(direction, kind, mult, mult * b, mult * comm / len(colls)) for kind, b in colls]
 
     def connect(self, value: _Value, uses: list[tuple[int, int, float]]) -> None:
         """Edges from a value to the ops reading it. With several readers the value is redistributed
@@ -246,7 +263,8 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
                     mem = [mult * val.numel() * state / shard_factor(c, sizes) for c in cands]
                     opt = [mult * val.numel() * OPTIMIZER_BYTES_PER_ELEMENT / shard_factor(c, sizes) / hw.mem_bw for c in cands]
                     unit_param_bytes[-1] += _nbytes(val)
-                    ids[node.name] = b.add_node([Strategy((c,), ()) for c in cands], opt, (unit.kind, node.name), mem)
+                    ids[node.name] = b.add_node([Strategy((c,), ()) for c in cands], opt, (unit.kind, node.name), mem,
+                                                computes=False)
                     b.param_like.add(ids[node.name])
                     grad = val.numel() * reduce_itemsize
                 elif ph < n_p + n_b:
@@ -319,12 +337,15 @@ def build_and_solve(trace: ModelTrace, mesh: MeshInfo, solver_mesh: DeviceMesh |
                     by_key[(v.node, v.out)] = v
                 # a parameter's transpose/view/cast is still that parameter: its collectives bucket alike
                 share = arg_values[0].latency_share if len(arg_values) == 1 else 1.0
-                if len(arg_values) == 1 and arg_values[0].node in b.param_like:
+                of_param = len(arg_values) == 1 and arg_values[0].node in b.param_like
+                if of_param:
                     b.param_like.add(ids[node.name])
                 for k, pos in enumerate(tensor_outputs(node)):
                     ov = out_vals[k]
-                    grad = _nbytes(ov) if needs_grad and _is_float(ov) else None
-                    values[(node.name, pos)] = _Value(ids[node.name], k, _nbytes(ov), grad, tuple(ov.shape), share)
+                    # a parameter's gradient is reduced in the reduce dtype, through its views and casts too
+                    grad = (ov.numel() * reduce_itemsize if of_param else _nbytes(ov)) if needs_grad and _is_float(ov) else None
+                    values[(node.name, pos)] = _Value(ids[node.name], k, _nbytes(ov), grad, tuple(ov.shape), share,
+                                                      not of_param or ov.is_contiguous())
             elif node.op == "output":
                 (ret,) = [a for a in torch.utils._pytree.tree_leaves(node.args[0])]
                 outputs[unit.kind] = values[(ret.name, 0)]

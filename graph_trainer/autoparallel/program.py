@@ -11,6 +11,14 @@ Layout pairs that cannot be redistributed (to Partial) get no variable, so they 
 The memory budget is one row over the nodes' x that hold memory. The LP is solved first; if some
 x is fractional, the same program is solved as a MIP.
 
+Communication that overlaps compute: part of an edge's cost may be communication of an overlap group
+(a unit's parameter gathers and gradient reductions, which the scheduling passes prefetch and defer),
+and a node's cost may be compute of a group. That part costs `OVERLAP_COST` of its time in the
+objective; one variable e[g] >= 0 per group, with the row
+    e[g] >= (the group's communication) - (the group's compute)
+and objective weight 1 - OVERLAP_COST, adds what the group's compute cannot cover: overlapped
+communication priced as max(0, comm - compute), a convex piecewise-linear term.
+
 HiGHS's answer is used only when it is proven: the LP optimal, or the MIP optimal or stopped at the
 time limit with an integer solution within `MIP_GAP` of its bound (the plan then says so in
 `method`). Infeasible is `Infeasible` (the caller knows the memory the plan needs); any other
@@ -33,11 +41,18 @@ from ..config import ConfigError
 MIP_GAP = 0.01
 """Relative gap between a time-limited MIP's solution and its bound that we accept as a plan."""
 
+OVERLAP_COST = 0.1
+"""The share of its time that communication hidden behind compute still costs a step: NCCL's kernels take SMs
+and memory bandwidth from the compute beside them. It also makes, among plans that hide all their
+communication, the one that moves fewer bytes the cheaper."""
+
 
 @dataclass
 class ProgramNode:
     costs: list[float]
     memory: list[float] | None = None
+    overlaps: int | None = None
+    """The overlap group whose communication this node's compute can hide (its unit's kind)."""
 
 
 @dataclass
@@ -48,6 +63,15 @@ class ProgramEdge:
     dst_group: list[int]
     cost: list[list[float]]
     """cost[o][k]; math.inf where layout o cannot become layout k."""
+    hidden: int | None = None
+    """The overlap group whose compute can hide `hidden_cost`; None: the whole cost blocks compute."""
+    hidden_cost: list[list[float]] | None = None
+    """The part of cost[o][k] that is the group's communication (the rest, e.g. a copy, blocks compute)."""
+
+    def objective(self, o: int, k: int) -> float:
+        if self.hidden is None:
+            return self.cost[o][k]
+        return self.cost[o][k] - (1.0 - OVERLAP_COST) * self.hidden_cost[o][k]
 
 
 @dataclass
@@ -82,6 +106,10 @@ def solve(nodes: list[ProgramNode], edges: list[ProgramEdge], memory_budget: flo
     extra = [[0.0] * len(n.costs) for n in nodes]
     banned = [[False] * len(n.costs) for n in nodes]
     pairs_of: dict[int, list[tuple[int, int]]] = {}
+    # per overlap group: its communication and compute by column, and the constant part of both
+    hidden_comm: dict[int, dict[int, float]] = {}
+    hidden_folded: list[tuple[int, int, int, float]] = []
+    fixed_comm: dict[int, float] = {}
 
     for ei, e in enumerate(edges):
         n_o, n_k = max(e.src_group) + 1, max(e.dst_group) + 1
@@ -89,11 +117,13 @@ def solve(nodes: list[ProgramNode], edges: list[ProgramEdge], memory_budget: flo
             single_src = n_o == 1
             side, groups = (e.dst, e.dst_group) if single_src else (e.src, e.src_group)
             for s, g in enumerate(groups):
-                c = e.cost[0][g] if single_src else e.cost[g][0]
-                if math.isinf(c):
+                o, k = (0, g) if single_src else (g, 0)
+                if math.isinf(e.cost[o][k]):
                     banned[side][s] = True
                 else:
-                    extra[side][s] += c
+                    extra[side][s] += e.objective(o, k)
+                    if e.hidden is not None:
+                        hidden_folded.append((e.hidden, side, s, e.hidden_cost[o][k]))
             continue
         pairs_of[ei] = [(o, k) for o in range(n_o) for k in range(n_k) if not math.isinf(e.cost[o][k])]
 
@@ -109,6 +139,12 @@ def solve(nodes: list[ProgramNode], edges: list[ProgramEdge], memory_budget: flo
             continue
         x.append([b.add_col(c, 0.0 if banned[i][s] else 1.0) for s, c in enumerate(costs)])
         b.rows.append((x[i], [1.0] * len(costs), 1.0, 1.0))
+    for g, node, s, c in hidden_folded:
+        if x[node] == [-1]:
+            fixed_comm[g] = fixed_comm.get(g, 0.0) + c
+        else:
+            col = hidden_comm.setdefault(g, {})
+            col[x[node][s]] = col.get(x[node][s], 0.0) + c
 
     def by_group(node: int, groups: list[int], n: int) -> list[list[int]]:
         """The node's columns of each group, in strategy order (one pass: edges have thousands of strategies)."""
@@ -119,7 +155,11 @@ def solve(nodes: list[ProgramNode], edges: list[ProgramEdge], memory_budget: flo
 
     for ei, pairs in pairs_of.items():
         e = edges[ei]
-        y = {p: b.add_col(e.cost[p[0]][p[1]], 1.0) for p in pairs}
+        y = {p: b.add_col(e.objective(*p), 1.0) for p in pairs}
+        if e.hidden is not None:
+            col = hidden_comm.setdefault(e.hidden, {})
+            for p, c in y.items():
+                col[c] = col.get(c, 0.0) + e.hidden_cost[p[0]][p[1]]
         n_o, n_k = max(e.src_group) + 1, max(e.dst_group) + 1
         ys_src: list[list[int]] = [[] for _ in range(n_o)]
         ys_dst: list[list[int]] = [[] for _ in range(n_k)]
@@ -128,6 +168,25 @@ def solve(nodes: list[ProgramNode], edges: list[ProgramEdge], memory_budget: flo
             ys_dst[p[1]].append(y[p])
         for ys, cols in zip(ys_src + ys_dst, by_group(e.src, e.src_group, n_o) + by_group(e.dst, e.dst_group, n_k)):
             b.rows.append((ys + cols, [1.0] * len(ys) + [-1.0] * len(cols), 0.0, 0.0))
+
+    for g in sorted(set(hidden_comm) | set(fixed_comm)):
+        comm = hidden_comm.get(g, {})
+        cover = {}
+        fixed_compute = 0.0
+        for i, n in enumerate(nodes):
+            if n.overlaps != g:
+                continue
+            if x[i] == [-1]:
+                fixed_compute += n.costs[0]
+            else:
+                for col, c in zip(x[i], n.costs):
+                    cover[col] = cover.get(col, 0.0) + c
+        terms = dict(comm)
+        for col, c in cover.items():
+            terms[col] = terms.get(col, 0.0) - c
+        exposed = b.add_col(1.0 - OVERLAP_COST, math.inf)
+        b.rows.append((list(terms) + [exposed], list(terms.values()) + [-1.0], -math.inf,
+                       fixed_compute - fixed_comm.get(g, 0.0)))
 
     fixed_memory = 0.0
     if memory_budget is not None:

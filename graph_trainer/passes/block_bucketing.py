@@ -15,7 +15,7 @@ Schedule: a block's all-gather is issued where the all-gather `depth` blocks ear
 chosen by the cost model's simulated step time (on the link figures measured at start-up on a real
 multi-GPU job, parallel/links.py), among the depths whose gathered bytes in flight stay within the
 hardware's `max_in_flight_bytes`, the smallest on ties (least memory). A block's gradient
-reduction is issued as soon as its last gradient exists and waited for when the next reduction is
+reduction is issued as soon as its last gradient exists and waited for when the next reduction of its kind is
 issued (at most two in flight), the last one at the end. `autoparallel_scheduling`
 weighs these per-block plans against its size-based ones.
 

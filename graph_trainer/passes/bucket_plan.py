@@ -260,10 +260,14 @@ def place_per_block(buckets: list[Bucket], depth: int = 1) -> None:
     for k, b in enumerate(gathers):
         b.issue = max(b.ready, gathers[k - depth].need) if k >= depth else b.ready
         b.wait = b.need
-    reductions = sorted((b for b in buckets if b.kind in REDUCTIONS), key=lambda b: b.ready)
-    for k, b in enumerate(reductions):
-        b.issue = b.ready
-        b.wait = min(reductions[k + 1].ready, b.need) if k + 1 < len(reductions) else b.need
+    # two reductions of a kind in flight at most; a block's all-reduce (its replicated parameters' gradients, issued
+    # beside its reduce-scatter) must not cut the reduce-scatter's overlap short: that left 28 ms of an auto-placed
+    # 8B-16L step's reduce-scatters exposed on 2 H200s (bench/results/2026-11-30-session24)
+    for kind in REDUCTIONS:
+        reductions = sorted((b for b in buckets if b.kind == kind), key=lambda b: b.ready)
+        for k, b in enumerate(reductions):
+            b.issue = b.ready
+            b.wait = min(reductions[k + 1].ready, b.need) if k + 1 < len(reductions) else b.need
 
 
 def gathered_in_flight(buckets: list[Bucket]) -> int:
