@@ -67,9 +67,11 @@ class CommModel:
         `shape`, the value's global shape, tells whether a gather's result is a view (empty: it is not)."""
         return _redistribute(self, nbytes, src, dst, latency_share, tuple(shape))[:2]
 
-    def copy_s(self, nbytes: float, src: Spec, dst: Spec, shape: tuple[int, ...] = ()) -> float:
-        """The part of `redistribute`'s time that is local reorder copies: compute-stream work beside the collectives."""
-        return _redistribute(self, nbytes, src, dst, 1.0, tuple(shape))[2]
+    def collective_times(self, nbytes: float, src: Spec, dst: Spec, latency_share: float = 1.0,
+                         shape: tuple[int, ...] = ()) -> tuple[tuple[int, float], ...]:
+        """(solver mesh dim, seconds) of each of `redistribute`'s collectives, in its order; the rest of its time is
+        local reorder copies (compute-stream work)."""
+        return _redistribute(self, nbytes, src, dst, latency_share, tuple(shape))[2]
 
     def collective(self, kind: str, nbytes: float, mesh_dim: int, latency_share: float = 1.0) -> float:
         """Seconds for one collective on solver mesh dim `mesh_dim`; `nbytes` is the full (gathered,
@@ -84,21 +86,22 @@ class CommModel:
 
 @lru_cache(maxsize=None)
 def _redistribute(cm: CommModel, nbytes: float, src: Spec, dst: Spec, latency_share: float,
-                  shape: tuple[int, ...]) -> tuple[float, tuple[tuple[str, float], ...], float]:
-    """(seconds, collectives, seconds of them that are reorder copies)."""
+                  shape: tuple[int, ...]) -> tuple[float, tuple[tuple[str, float], ...], tuple[tuple[int, float], ...]]:
+    """(seconds, collectives, (mesh dim, seconds) of each collective)."""
     if src == dst:
-        return 0.0, (), 0.0
+        return 0.0, (), ()
     cur = list(src)
     for m, (a, b) in enumerate(zip(src, dst)):
         if b.startswith("P") and a != b:
-            return math.inf, (), 0.0
-    t = copy = 0.0
+            return math.inf, (), ()
+    copy = 0.0
     colls: list[tuple[str, float]] = []
+    timed: list[tuple[int, float]] = []
 
     def run(kind: str, m: int, copies: bool = False) -> None:
-        nonlocal t, copy
+        nonlocal copy
         b = nbytes / shard_factor(tuple(cur), cm.sizes)
-        t += cm.collective(kind, b, m, latency_share)
+        timed.append((m, cm.collective(kind, b, m, latency_share)))
         if copies:
             copy += cm.reorder_copy(b)
         colls.append((kind, b))
@@ -122,7 +125,7 @@ def _redistribute(cm: CommModel, nbytes: float, src: Spec, dst: Spec, latency_sh
             dim = int(cur[m][1:])
             cur[m] = "R"
             run("all_gather", m, not gathers_into_view(dim))
-    return t + copy, tuple(colls), copy
+    return sum(t for _, t in timed) + copy, tuple(colls), tuple(timed)
 
 
 def grad_spec(strategy: Strategy, arg: int) -> Spec:

@@ -104,8 +104,8 @@ class _Builder:
     memory_kind: dict[int, str] = field(default_factory=dict)
     """Node -> what its memory is: `states` (parameter, gradient, Adam), `activations`, `moe_dispatch`."""
     param_like: set[int] = field(default_factory=set)
-    """Parameters and their one-input derivatives (transposes, views, casts): their collectives are
-    the FSDP-like ones a schedule overlaps with compute (step_time.py)."""
+    """Parameters and their one-input derivatives (transposes, views, casts): their collectives over the
+    data-parallel dims are the FSDP-like ones a schedule overlaps with compute (step_time.py)."""
 
     def add_node(self, strategies: list[Strategy], costs: list[float], label: tuple[int, str], memory: list[float] | None = None,
                  memory_kind: str = "states", computes: bool = True) -> int:
@@ -119,29 +119,34 @@ class _Builder:
         return len(self.nodes) - 1
 
     def edge(self, src: int, src_keys: list, dst: int, dst_keys: list, price: Callable[[Any, Any], tuple[float, list]]) -> None:
-        """A program edge; `price(src_key, dst_key)` -> (seconds, [(direction, collective, bytes, seconds)])."""
+        """A program edge; `price(src_key, dst_key)` -> (seconds, [(direction, collective, count, bytes, seconds with
+        its share of the copies around it, seconds of the collective alone where it runs over a data-parallel dim)])."""
         si = {k: i for i, k in enumerate(dict.fromkeys(src_keys))}
         di = {k: i for i, k in enumerate(dict.fromkeys(dst_keys))}
         table = {(a, c): price(a, c) for a in si for c in di}
         cost = [[table[(a, c)][0] for c in di] for a in si]
-        # a parameter's collectives run beside its unit's compute (prefetched gathers, deferred reductions); the
-        # copies around them do not
+        # a parameter's collectives over the data-parallel dims run beside its unit's compute (prefetched gathers,
+        # deferred reductions); the copies around them do not, nor its gathers over tp: with the weights gathered over
+        # the tp ranks of 8B-16L tp 2 (the sequence split, attention's heads moved by all-to-all) 54 ms of the step's
+        # all-gathers stayed exposed on 2 H200s, and it ran at 0.83x Megatron's (bench/results/2026-11-30-session24)
         hidden = self.labels[src][0] if src in self.param_like and self.labels[src][0] >= 0 else None
-        comm = [[sum(t for *_, t in table[(a, c)][1]) for c in di] for a in si] if hidden is not None else None
+        comm = [[sum(c[5] for c in table[(a, k)][1]) for k in di] for a in si] if hidden is not None else None
         self.edges.append(program.ProgramEdge(src, dst, [si[k] for k in src_keys], [di[k] for k in dst_keys], cost, hidden,
                                               comm))
         self.edge_info.append((src_keys, dst_keys, table))
 
     def _price(self, value: _Value, nbytes: float, src: Spec, dst: Spec, mult: float, direction: str) -> tuple[float, list]:
-        """(seconds, [(direction, collective, count, bytes, seconds of the collective alone)])."""
+        """(seconds, [(direction, collective, count, bytes, seconds with its share of the copies, seconds of the collective
+        alone where it runs over a data-parallel dim, else 0)])."""
         t, colls = self.comm.redistribute(nbytes, src, dst, value.latency_share, value.shape)
         if math.isinf(t):
             return t, []
-        copy = self.comm.copy_s(nbytes, src, dst, value.shape)
-        comm = t - copy
         if colls and direction == "forward" and not value.contiguous:
-            copy += self.comm.reorder_copy(nbytes / shard_factor(src, self.mesh.sizes))
-        return mult * (comm + copy), [(direction, kind, mult, mult * b, mult * comm / len(colls)) for kind, b in colls]
+            t += self.comm.reorder_copy(nbytes / shard_factor(src, self.mesh.sizes))
+        timed = self.comm.collective_times(nbytes, src, dst, value.latency_share, value.shape)
+        dims = self.mesh.solver_names
+        return mult * t, [(direction, kind, mult, mult * b, mult * t / len(colls), mult * s if dims[m] in DP_DIMS else 0.0)
+                          for (kind, b), (m, s) in zip(colls, timed)]
 
     def connect(self, value: _Value, uses: list[tuple[int, int, float]]) -> None:
         """Edges from a value to the ops reading it. With several readers the value is redistributed
@@ -426,7 +431,7 @@ def _routed_experts(node: fx.Node, where: str, mult: float, b: _Builder, setting
         )
     priced = [moe.strategy_cost(node, s, sizes, b.comm, settings.hw, settings.moe_capacity_factor) for s in strategies]
     costs = [mult * (c.compute_s + sum(t for *_, t in c.collectives)) for c in priced]
-    inner = [[(d, kind, mult, mult * nbytes, mult * t) for d, kind, nbytes, t in c.collectives] for c in priced]
+    inner = [[(d, kind, mult, mult * nbytes, mult * t, 0.0) for d, kind, nbytes, t in c.collectives] for c in priced]
     return strategies, costs, inner, [c.saved_bytes for c in priced]
 
 
@@ -486,7 +491,7 @@ def _make_plan(trace: ModelTrace, b: _Builder, sol: program.Solution, unit_nodes
     comm: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0, "time_s": 0.0})
 
     def add(colls: list, src: int, dst: int) -> None:
-        for direction, kind, count, nbytes, t in colls:
+        for direction, kind, count, nbytes, t, overlappable in colls:
             entry = comm[f"{kind} ({direction})"]
             entry["count"] += micro * count
             entry["bytes"] += micro * nbytes
@@ -494,16 +499,16 @@ def _make_plan(trace: ModelTrace, b: _Builder, sol: program.Solution, unit_nodes
             owner = b.labels[src][0] if src in b.param_like or b.labels[dst][0] < 0 else b.labels[dst][0]
             if owner < 0:
                 continue
-            u, share = per_kind[owner], t / calls_of[owner]
-            if src in b.param_like:
-                if direction == "forward":
-                    u.param_forward += share
-                else:
-                    u.param_backward += share
-            elif direction == "forward":
-                u.serial_forward += share
+            u = per_kind[owner]
+            # a parameter's collectives over the data-parallel dims overlap compute; the copies around them do not
+            hidden = overlappable / calls_of[owner] if src in b.param_like else 0.0
+            serial = t / calls_of[owner] - hidden
+            if direction == "forward":
+                u.param_forward += hidden
+                u.serial_forward += serial
             else:
-                u.serial_backward += share
+                u.param_backward += hidden
+                u.serial_backward += serial
 
     for edge, (src_keys, dst_keys, table) in zip(b.edges, b.edge_info):
         add(table[(src_keys[sol.choice[edge.src]], dst_keys[sol.choice[edge.dst]])][1], edge.src, edge.dst)

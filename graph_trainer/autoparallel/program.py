@@ -12,9 +12,9 @@ The memory budget is one row over the nodes' x that hold memory. The LP is solve
 x is fractional, the same program is solved as a MIP.
 
 Communication that overlaps compute: part of an edge's cost may be communication of an overlap group
-(a unit's parameter gathers and gradient reductions, which the scheduling passes prefetch and defer),
-and a node's cost may be compute of a group. That part costs `OVERLAP_COST` of its time in the
-objective; one variable e[g] >= 0 per group, with the row
+(a unit's parameter gathers and gradient reductions over the data-parallel dims, which the scheduling
+passes prefetch and defer), and a node's cost may be compute of a group. That part costs
+`OVERLAP_COST` of its time in the objective; one variable e[g] >= 0 per group, with the row
     e[g] >= (the group's communication) - (the group's compute)
 and objective weight 1 - OVERLAP_COST, adds what the group's compute cannot cover: overlapped
 communication priced as max(0, comm - compute), a convex piecewise-linear term.
