@@ -84,8 +84,9 @@ def test_solver_chooses_expert_parallelism_for_16b_across_two_nodes():
     assert 3 * layers <= count(p, "all_to_all (forward)") <= 3 * layers + 1
     assert 2 * layers <= count(p, "all_to_all (backward)") <= 2 * layers + 1
     assert p["params"]["layers.*.attention.wq.weight"]["compute"] == ["R"]  # dense parts stay FSDP-like
-    # the overlap rows (program.py) can leave the LP fractional: then the MIP proves the plan
-    assert p["program"]["status"] == "optimal" and p["program"]["solve_s"] < 5, p["program"]
+    # the overlap rows (program.py) can leave the LP fractional: then the MIP proves the plan (solved in 1.1 s beside a
+    # full test run on the 2-core CI machine)
+    assert p["program"]["status"] == "optimal" and p["program"]["solve_s"] < 3, p["program"]
 
 
 @pytest.mark.slow

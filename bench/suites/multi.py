@@ -199,7 +199,7 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
         theirs("titan compile", auto, ["--compile.enable"]),
         ours("gt full auto-placed", auto, FULL + ["--compile.autoparallel"], profile=True),
         ours("gt autoparallel_backend auto-placed", auto, TRACE + ["--compile.inductor_compilation", "autoparallel_backend",
-                                                                   "--compile.autoparallel"]),
+                                                                   "--compile.autoparallel"], profile=True),
     ]
 
 
