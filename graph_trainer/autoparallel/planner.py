@@ -126,7 +126,7 @@ class _Builder:
         table = {(a, c): price(a, c) for a in si for c in di}
         cost = [[table[(a, c)][0] for c in di] for a in si]
         # a parameter's collectives over the data-parallel dims run beside its unit's compute (prefetched gathers,
-        # deferred reductions); the copies around them do not, nor its gathers over tp: with the weights gathered over
+        # deferred reductions); the copies around them do not, nor its collectives over tp: with the weights gathered over
         # the tp ranks of 8B-16L tp 2 (the sequence split, attention's heads moved by all-to-all) 54 ms of the step's
         # all-gathers stayed exposed on 2 H200s, and it ran at 0.83x Megatron's (bench/results/2026-11-30-session24)
         hidden = self.labels[src][0] if src in self.param_like and self.labels[src][0] >= 0 else None
