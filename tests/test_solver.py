@@ -19,6 +19,14 @@ LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
            "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 
 
+def slow_network(monkeypatch) -> None:
+    """Plans from here on price an H100 whose links move 2 GB/s."""
+    from graph_trainer import hardware
+
+    monkeypatch.setattr(hardware, "select", lambda choice, device: dataclasses.replace(
+        hardware.H100, intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=2e9))
+
+
 def plan(*flags: str) -> dict:
     return make_plan(parse_args(["--config", "configs/llama3_debug.toml", *flags]))
 
@@ -153,11 +161,8 @@ def test_dp_mesh_gathers_weights_behind_compute_rather_than_split_the_mlp():
 
 
 def test_memory_budget_forces_sharding(monkeypatch):
-    from graph_trainer import hardware
-
     # on a slow network a loose budget keeps the debug model's states replicated (sharding pays on NVLink: below)
-    monkeypatch.setattr(hardware, "select", lambda choice, device: dataclasses.replace(
-        hardware.H100, intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=2e9))
+    slow_network(monkeypatch)
     loose = plan("--parallelism.dp_shard", "2")
     # room for the activations (counted too) and a quarter of the replicated states less (sharding all
     # of them halves them)
@@ -176,14 +181,11 @@ def test_network_speed_decides_what_a_loose_budget_replicates(monkeypatch):
     linears pays (less optimizer work per rank for cheap collectives) while the norms stay replicated
     (a collective's latency outweighs their optimizer step); on a slow network everything in the
     blocks stays replicated."""
-    from graph_trainer import hardware
-
     # full AC: the activations of 4096 tokens per rank would not fit beside replicated states
     flags = ("--config", "configs/llama3_1b.toml", "--parallelism.dp_shard", "8", "--training.batch_size", "8",
              "--activation_checkpoint.mode", "full")
     fast = make_plan(parse_args(list(flags)))
-    monkeypatch.setattr(hardware, "select", lambda choice, device: dataclasses.replace(
-        hardware.H100, intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=2e9))
+    slow_network(monkeypatch)
     slow = make_plan(parse_args(list(flags)))
     for name in LINEARS:
         assert fast["params"][f"layers.*.{name}.weight"]["storage"][0].startswith("S"), name

@@ -169,24 +169,25 @@ def solve(nodes: list[ProgramNode], edges: list[ProgramEdge], memory_budget: flo
         for ys, cols in zip(ys_src + ys_dst, by_group(e.src, e.src_group, n_o) + by_group(e.dst, e.dst_group, n_k)):
             b.rows.append((ys + cols, [1.0] * len(ys) + [-1.0] * len(cols), 0.0, 0.0))
 
+    # each group's compute, by column, and the part of it that no choice changes
+    cover: dict[int, dict[int, float]] = {}
+    fixed_compute: dict[int, float] = {}
+    for i, n in enumerate(nodes):
+        if n.overlaps is None:
+            continue
+        if x[i] == [-1]:
+            fixed_compute[n.overlaps] = fixed_compute.get(n.overlaps, 0.0) + n.costs[0]
+        else:
+            col = cover.setdefault(n.overlaps, {})
+            for c, cost in zip(x[i], n.costs):
+                col[c] = col.get(c, 0.0) + cost
     for g in sorted(set(hidden_comm) | set(fixed_comm)):
-        comm = hidden_comm.get(g, {})
-        cover = {}
-        fixed_compute = 0.0
-        for i, n in enumerate(nodes):
-            if n.overlaps != g:
-                continue
-            if x[i] == [-1]:
-                fixed_compute += n.costs[0]
-            else:
-                for col, c in zip(x[i], n.costs):
-                    cover[col] = cover.get(col, 0.0) + c
-        terms = dict(comm)
-        for col, c in cover.items():
+        terms = dict(hidden_comm.get(g, {}))
+        for col, c in cover.get(g, {}).items():
             terms[col] = terms.get(col, 0.0) - c
         exposed = b.add_col(1.0 - OVERLAP_COST, math.inf)
         b.rows.append((list(terms) + [exposed], list(terms.values()) + [-1.0], -math.inf,
-                       fixed_compute - fixed_comm.get(g, 0.0)))
+                       fixed_compute.get(g, 0.0) - fixed_comm.get(g, 0.0)))
 
     fixed_memory = 0.0
     if memory_budget is not None:
