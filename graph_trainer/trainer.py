@@ -49,7 +49,7 @@ from .optimizer import build_optimizer
 from .profiling import StepProfiler
 from .prediction import write_prediction
 from .parallel import apply_activation_checkpointing
-from .parallel.compat import init_fake_process_group
+from .parallel.compat import init_fake_process_group, serial_gloo
 from .parallel.links import probe as probe_links
 from .parallel.fake_data import fill_collective_outputs, restore_collectives, tokens_in_vocab_shard
 from .parallel.materialize import materialize
@@ -139,7 +139,7 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: int, fake: b
         init_fake_process_group(env.world_size, env.rank)
         fill_collective_outputs()
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "nccl" if device.type == "cuda" else serial_gloo()
     timeout = group_timeout(timeout_s)
     if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

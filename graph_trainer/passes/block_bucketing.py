@@ -16,8 +16,8 @@ chosen by the cost model's simulated step time (on the link figures measured at 
 multi-GPU job, parallel/links.py), among the depths whose gathered bytes in flight stay within the
 hardware's `max_in_flight_bytes`, the smallest on ties (least memory). A block's gradient
 reduction is issued as soon as its last gradient exists and waited for when the next reduction of its kind is
-issued (at most two in flight), the last one at the end. `autoparallel_scheduling`
-weighs these per-block plans against its size-based ones.
+issued (at most two in flight), the last one at the end. `autoparallel_scheduling` plans a
+step of blocks the same way.
 
 torch's `manual_overlap_bucketing` does the same from module FQNs, but finds a module's nodes through
 `nn_module_stack` metadata, which make_fx train-step graphs do not carry.

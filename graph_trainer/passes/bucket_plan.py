@@ -72,7 +72,7 @@ class Layout:
 def fixed_transfers(order: list[fx.Node], planned: set[fx.Node], model: CostModel) -> list[Transfer]:
     """Every collective with one wait that is not in `planned`, issued and waited for where the graph
     has it. A wait that directly follows its collective blocks compute for the collective's time; a
-    wait further down lets the collective overlap the compute in between."""
+    wait further down lets the collective overlap the compute in between (and run the slower for it)."""
     pos = {n: i for i, n in enumerate(order)}
     fixed = []
     for i, n in enumerate(order):
@@ -80,8 +80,11 @@ def fixed_transfers(order: list[fx.Node], planned: set[fx.Node], model: CostMode
         waits = [u for u in n.users if u.target is WAIT]
         if kind is None or n in planned or len(waits) != 1:
             continue
-        fixed.append(Transfer(i, pos[waits[0]], model.collective_node_time(n, kind), model.hw.launch_s, channel=n.args[-1],
-                              kind=kind))
+        wait = pos[waits[0]]
+        overlaps = wait > i + 1
+        fixed.append(Transfer(i, wait, model.collective_node_time(n, kind, beside_compute=overlaps),
+                              model.hw.launch_s + (model.hw.compute_slowdown_s if overlaps else 0.0),
+                              channel=n.args[-1], kind=kind))
     return fixed
 
 
@@ -148,8 +151,9 @@ def place(buckets: list[Bucket], lay: Layout, model: CostModel) -> None:
 
 
 def _comm_time(b: Bucket, model: CostModel) -> float:
+    """A bucket is placed to overlap compute."""
     first = b.members[0]
-    return model.collective_time(b.kind, b.nbytes, first.group_size, first.group_name)
+    return model.collective_time(b.kind, b.nbytes, first.group_size, first.group_name, beside_compute=True)
 
 
 def transfers(buckets: list[Bucket], model: CostModel) -> list[Transfer]:
@@ -161,8 +165,9 @@ def transfers(buckets: list[Bucket], model: CostModel) -> list[Transfer]:
             copy_in, copy_out = model.copy_time(b.nbytes // ranks), model.copy_time(b.nbytes)
         else:
             copy_in, copy_out = model.copy_time(b.nbytes), 0.0
+        slows = model.hw.compute_slowdown_s if ranks > 1 else 0.0
         out.append(Transfer(b.issue, b.wait, _comm_time(b, model),
-                            model.hw.launch_s + (copy_in if merged else 0.0), copy_out if merged else 0.0,
+                            model.hw.launch_s + slows + (copy_in if merged else 0.0), copy_out if merged else 0.0,
                             b.members[0].group_name, b.kind))
     return out
 
@@ -214,7 +219,7 @@ def as_issued(gm: fx.GraphModule, model: CostModel) -> Timeline:
 
 
 # Per-block plans: one bucket per transformer block and kind (transformer_block_bucketing; the
-# autoparallel backend's scheduling weighs them against the size-based plans above).
+# autoparallel backend's scheduling on a step of transformer blocks).
 
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 

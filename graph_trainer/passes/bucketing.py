@@ -4,10 +4,15 @@ with the same merge (bucket_merge.py).
 - `auto_bucketing`: each bucket grows, in the order the collectives are needed, until the alpha-beta
   model says it is bandwidth-bound (its latency term at most 10% of its time), then every bucket is
   placed to overlap compute (see `bucket_plan.place`).
-- `autoparallel_scheduling` (the autoparallel backend's step): the bucket size is chosen among
-  multiples of that size, and against one bucket per transformer block at each prefetch depth, by
-  the simulated step time of the whole schedule, with compute estimated as Inductor will run it
-  (fused pointwise ops), since the backend compiles the whole graph afterwards.
+- `autoparallel_scheduling` (the autoparallel backend's step): on a train step of transformer blocks,
+  one bucket per block (as `transformer_block_bucketing`), the prefetch depth chosen by the simulated
+  step time with compute estimated as Inductor will run it (fused pointwise ops), since the backend
+  compiles the whole graph afterwards; on other graphs the bucket size is chosen among multiples of
+  the saturating size by the same simulation. It weighed the two kinds of plan against each other
+  until the model priced the size-based buckets of the auto-placed 8B cut to 16 layers 0.7% faster
+  than the per-block ones, where on 2 H200s the same placement ran 2.4% slower with them
+  (bench/results/2026-11-30-session24: call 2; call 8's profile, 18.4 ms exposed against call 2's
+  8.3); the model's error between plans this close is larger than their difference.
 """
 
 from __future__ import annotations
@@ -82,13 +87,11 @@ def autoparallel_scheduling(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
         return gm
     model = CostModel.for_context(ctx, fused=True)
     lay = layout(gm, colls, model)
-    by_size = choose_buckets(colls, lay, model)
-    plans = [(estimate(by_size, lay, model).step_s, 1, by_size)]
     fqns = list(ctx.param_fqns[: ctx.num_params])
     if ctx.stage == "train_step" and any(block_of(f) is not None for f in fqns):
-        # one bucket per block, preferred on ties: fewer collectives, and the same plan on every graph
-        plans += [(step_s, 0, buckets) for (step_s, _), buckets in block_plans(gm, colls, fqns, lay, model)]
-    _, _, buckets = min(plans, key=lambda p: (round(p[0], 9), p[1]))
+        _, buckets = min(block_plans(gm, colls, fqns, lay, model), key=lambda p: p[0])
+    else:
+        buckets = choose_buckets(colls, lay, model)
     return schedule(gm, buckets, lay, model, "autoparallel_scheduling")
 
 

@@ -18,7 +18,8 @@ prediction file, on the numbers of `graph_trainer.hardware` (the solver prices w
   attention, collectives and the other extern kernels stay one kernel each. A single op priced alone
   (`node_time`, the memory policy's recompute price) costs max(roofline, launch_s).
 - A timeline of one step: compute runs in graph order, collectives run one after another on their
-  communicator's stream from the point they are issued (two communicators run at once: the FSDP
+  communicator's stream from the point they are issued (one that overlaps compute takes
+  `Hardware.collective_slowdown_s` longer, and slows that compute by `compute_slowdown_s`) (two communicators run at once: the FSDP
   all-gathers on their own, passes/gather_group.py); a wait stalls compute until its collective
   is done. Two communicators that are busy together share one link: each is priced at its full
   rate, which is optimistic where both are bandwidth-bound. The FSDP collectives are placed by the planners (`bucket_plan`); every other collective
@@ -203,18 +204,21 @@ class CostModel:
             return link.bytes_per_s, link.latency_s
         return bandwidth, latency
 
-    def collective_time(self, kind: str, nbytes: int, group_size: int, group_name: str = "") -> float:
+    def collective_time(self, kind: str, nbytes: int, group_size: int, group_name: str = "",
+                        beside_compute: bool = False) -> float:
         """Seconds for one ring collective; `nbytes` is the unsharded size (gathered output,
-        reduce-scatter input, all-reduce tensor, a rank's all-to-all buffer)."""
+        reduce-scatter input, all-reduce tensor, a rank's all-to-all buffer). `beside_compute`: compute kernels
+        run while it does (`Hardware.collective_slowdown_s`)."""
         bw, latency = self._link(group_name, kind)
-        return ring_collective_s(kind, nbytes, group_size, bw, latency)
+        slower = self.hw.collective_slowdown_s if beside_compute and group_size > 1 else 0.0
+        return ring_collective_s(kind, nbytes, group_size, bw, latency) + slower
 
     def blocking_collective_time(self, node: fx.Node, kind: str) -> float:
         """A collective the schedulers do not move (tensor-parallel activations, all-reduces,
         all-to-alls) holds compute up for its whole time: its wait directly follows in the traced graph."""
         return self.collective_node_time(node, kind) + self.hw.launch_s
 
-    def collective_node_time(self, node: fx.Node, kind: str) -> float:
+    def collective_node_time(self, node: fx.Node, kind: str, beside_compute: bool = False) -> float:
         """Seconds of the collective `node` on its link (no launch)."""
         group_name = node.args[-1]
         link = self.links.get(group_name)
@@ -224,7 +228,7 @@ class CostModel:
             size = link.size if link is not None else 1
         sent = fx.node.map_arg(node.args[0], lambda n: n.meta.get("val"))
         moved = nbytes(node.meta.get("val")) if kind == "all_gather" else nbytes(sent)
-        return self.collective_time(kind, moved, size, group_name)
+        return self.collective_time(kind, moved, size, group_name, beside_compute)
 
     def per_byte_time(self, kind: str, nbytes: int, group_size: int, group_name: str = "") -> float:
         return self.collective_time(kind, nbytes, group_size, group_name) / max(nbytes, 1)
