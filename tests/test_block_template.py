@@ -33,6 +33,10 @@ CONFIGS = {
                                                 "--activation_checkpoint.selective_ac_option", "2")),
     "llama3 full AC, dp_replicate 2": (2, ("--model.name", "llama3", *EIGHT, "--parallelism.dp_replicate", "2",
                                            "--activation_checkpoint.mode", "full")),
+    "llama3 auto-placed, every 2nd block checkpointed": (2, ("--model.name", "llama3", *EIGHT, "--parallelism.dp_shard", "2",
+                                                             "--activation_checkpoint.mode", "selective",
+                                                             "--activation_checkpoint.selective_ac_option", "2",
+                                                             "--compile.autoparallel")),
     "qwen3 dp_shard 2": (2, ("--model.name", "qwen3", *EIGHT, "--parallelism.dp_shard", "2")),
     "deepseek_v3 dp_shard 2 x ep 2": (4, ("--model.name", "deepseek_v3", *EIGHT, "--parallelism.dp_shard", "2",
                                           "--parallelism.ep", "2")),
@@ -41,9 +45,11 @@ CONFIGS = {
     "deepseek_v3 FlexAttention dp_shard 2 x ep 2": (4, ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_flex_attn",
                                                         *EIGHT, "--parallelism.dp_shard", "2", "--parallelism.ep", "2")),
 }
-TRACED = {"llama3 every 2nd block checkpointed": 4, "deepseek_v3 dp_shard 2 x ep 2": 4, "deepseek_v3 FlexAttention dp_shard 2 x ep 2": 4}
+TRACED = {"llama3 every 2nd block checkpointed": 4, "llama3 auto-placed, every 2nd block checkpointed": 6,
+          "deepseek_v3 dp_shard 2 x ep 2": 4, "deepseek_v3 FlexAttention dp_shard 2 x ep 2": 4}
 """Blocks make_fx runs (3 unless said): alternating checkpointing needs both kinds inside the template, DeepSeek V3's
-first (dense) block differs from its MoE blocks."""
+first (dense) block differs from its MoE blocks. Auto-placed, the embedding's output reaches the first layer in
+another layout (ops the third layer does not have): the template of 4 is refused and the first layer kept apart."""
 
 
 def _trace(world: int, flags: tuple[str, ...]):
@@ -70,7 +76,7 @@ def test_the_step_from_a_few_blocks_is_the_step_traced_whole(name, monkeypatch):
     monkeypatch.setattr(flex_attention, "_validate_device", lambda query, key, value: None)
     templated = _trace(world, flags)
     assert templated.graph.meta["traced_blocks"] == TRACED.get(name, 3)
-    monkeypatch.setattr(fx_trace, "plan_template", lambda model: None)
+    monkeypatch.setattr(fx_trace, "plan_template", lambda model, first_apart=False: None)
     whole = _trace(world, flags)
     assert whole.graph.meta["traced_blocks"] == 8
     a, b = templated.graph, whole.graph
@@ -103,7 +109,7 @@ def test_the_in_graph_optimizer_step_from_a_few_blocks_is_the_step_traced_whole(
     world, flags = CONFIGS[name]
     templated = _optimizer_step_trace(world, flags)
     assert templated.meta["traced_blocks"] == TRACED.get(name, 3)
-    monkeypatch.setattr(fx_trace, "plan_template", lambda model: None)
+    monkeypatch.setattr(fx_trace, "plan_template", lambda model, first_apart=False: None)
     whole = _optimizer_step_trace(world, flags)
     assert whole.meta["traced_blocks"] == 8
     assert any(n.target is torch.ops.aten.copy_.default for n in templated.graph.nodes)
@@ -151,7 +157,7 @@ def test_a_buffer_nothing_reads_between_blocks_stays_with_its_block(monkeypatch)
     assert templated.graph.meta["traced_blocks"] == 3
     dead = [n for n in templated.graph.graph.nodes if n.target is torch.ops.aten.empty.memory_format and not n.users]
     assert len(dead) == 8 and all(node_block(n) is None for n in dead)
-    monkeypatch.setattr(fx_trace, "plan_template", lambda model: None)
+    monkeypatch.setattr(fx_trace, "plan_template", lambda model, first_apart=False: None)
     assert graph_fingerprint(templated.graph) == graph_fingerprint(_trace(world, flags).graph)
 
 

@@ -16,6 +16,12 @@ traced interior layer q whose neighbours match p's (`key[q-1:q+2] == key[p-1:p+2
 itself; the last repeats traced layer m-1, whose previous layer matches the model's second last. m is the least
 that covers every layer; a model where that is all its layers (or nearly) is traced whole.
 
+The first layer's ops can differ from those of a later layer of the same key: under auto placement the embedding's
+output reaches it in another layout (llama3 with every second block checkpointed: layer 2 repeats traced layer 2,
+layer 3 traced layer 1, whose neighbour, traced layer 0, holds ops layer 2 does not). The template is then traced
+again with the first layer's key its own (`first_apart`), so that no interior layer repeats one whose neighbour is
+the first: two more layers traced (6 of 16) instead of every one.
+
 Every op of the template gets an owner: its block's mark (blocks.py), else the one layer its inputs come from (a
 parameter's cast in the prologue; the residual gradient's sum in backward reads two neighbours and belongs to the
 block whose backward it sits in), else none (shared: the embedding, the loss). Consecutive ops of one owner make a
@@ -85,13 +91,16 @@ class TemplatePlan:
         return f"layers.{self.names[position]}."
 
 
-def plan_template(model: nn.Module) -> TemplatePlan | None:
-    """Which layers to trace and which each other layer repeats; None where tracing them all is about as quick."""
+def plan_template(model: nn.Module, first_apart: bool = False) -> TemplatePlan | None:
+    """Which layers to trace and which each other layer repeats; None where tracing them all is about as quick.
+    `first_apart`: the first layer matches no other."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict) or len(layers) < 5:
         return None
     names = tuple(layers.keys())
     key = [layer_key(b) for b in layers.values()]
+    if first_apart:
+        key[0] = f"first {key[0]}"
     n = len(key)
     for m in range(3, n - 1):
         source = [0] * n

@@ -33,7 +33,7 @@ from ..regions import BackwardSeqNr, copy_marks_to_backward
 from ..train_step import FunctionalTrainStep, accumulate_grads, named_buffers
 from .registry import CaptureContext
 from .compat import untraced_sharding_propagation
-from .block_template import expand, plan_template, traced_layers
+from .block_template import TemplatePlan, expand, plan_template, traced_layers
 from .trace_cache import TraceCache
 from .unread import drop_unread
 from .update_tail import append_update
@@ -91,8 +91,13 @@ def trace_train_step(
     fake_args += [_fake_like(mode, inputs, device, False), _fake_like(mode, labels, device, False)]
     fake_args += [_fake_like(mode, e, device, False) for e in extra]
     train = step.fn if extra else step
-    plan = plan_template(train.model) if type(train) is FunctionalTrainStep else None
-    if plan is not None:
+    tried: list[TemplatePlan] = []
+    # a template the first layer's ops do not fit is tried again with that layer apart (block_template.py)
+    for first_apart in (False, True) if type(train) is FunctionalTrainStep else ():
+        plan = plan_template(train.model, first_apart)
+        if plan is None or plan in tried:
+            continue
+        tried.append(plan)
         names = [*(s.fqn for s in train.specs), *train.buffer_names]
         step_args = fake_args[: len(names) + 2]
         with traced_layers(train.model, plan):
@@ -103,12 +108,15 @@ def trace_train_step(
             template = _trace(part, len(part.specs), len(part_names), part_args, mode)
         batch: list[str | None] = [None, None]
         gm = expand(template, plan, [*part_names, *batch], list(zip([*names, *batch], step_args)), len(train.specs), mode)
-        if gm is not None and extra:
+        if gm is None:
+            continue
+        if extra:
             gm = append_update(gm, step, fake_args, len(params), mode)
         if gm is not None:
             gm.meta["traced_blocks"] = plan.traced
             gm.meta["unread_collectives"] = drop_unread(gm)
             return gm
+        break
     gm = _trace(step, len(params), len(params) + len(buffers), fake_args, mode)
     gm.meta["unread_collectives"] = drop_unread(gm)
     return gm
