@@ -27,14 +27,13 @@ Spec sheets (dense, no sparsity), and what we take as reachable:
   0.7 as for every other rate, 45 GB/s. A copy also costs a launch (`launch_s`).
 - A collective that overlaps compute (an FSDP bucket issued ahead of its use) takes `collective_slowdown_s` more
   than the link's latency-bandwidth time, and the compute beside it `compute_slowdown_s` more. On 2 H200s (llama3 8B
-  cut to 16 layers, dp_shard 2, real NCCL) 35 per-block all-gather buckets took 44.9 ms of kernel time and 130
-  size-based buckets of the same bytes 72.4 ms, against about 35 ms at the 227 GB/s and 12.7 us the link probe
-  measured on the idle device: 0.28 and 0.29 ms more per collective; the GEMMs beside the 211 size-based buckets
-  (all-gathers and reduce-scatters) took 313.8 ms, beside the 53 per-block ones 303.7: 0.064 ms per collective
-  (bench/results/2026-11-30-session24, calls 2 and 8). Not the link's latency (the probe's calls ran alone), so
-  both are priced only where compute runs beside the collective. With neither priced, the autoparallel backend's
-  schedule chose the size-based buckets (estimated 0.7% faster); measured in one call, the per-block buckets of
-  the same placement ran 2.4% faster.
+  cut to 16 layers, dp_shard 2, real NCCL) the step gathers 16.1 GB: 35.4 ms at the 227 GB/s the link probe
+  measured on the idle device, plus its 12.7 us per collective. 35 per-block all-gather buckets took 44.9 ms of
+  kernel time, 130 size-based buckets of the same bytes 72.4 ms: 0.26 and 0.27 ms more per collective. The GEMMs
+  beside the 211 size-based buckets (all-gathers and reduce-scatters) took 313.8 ms, beside the 53 per-block ones
+  303.7: 0.064 ms per collective (bench/results/2026-11-30-session24, calls 2 and 8). Not the link's latency (the
+  probe's calls ran alone), so both are priced only where compute runs beside the collective. Priced, they make
+  a size search choose fewer, larger buckets (that step: 29, the largest 2.8 GiB, where it chose 211 without them).
 - CPU-gloo (the shared test machines, 2 ranks over loopback, one thread each): a 2-rank all-gather
   took 0.25 ms at 8 KB and moved 0.2-0.5 GB/s, fp32 mm ran at 23 GFLOP/s, copies at 2-4 GB/s.
 
@@ -72,7 +71,7 @@ class Hardware:
     inter_latency_s: float = 20e-6
     launch_s: float = 58e-6
     """Host seconds per kernel launch (collectives included); one op priced alone costs max(roofline, this)."""
-    collective_slowdown_s: float = 0.28e-3
+    collective_slowdown_s: float = 0.27e-3
     """Seconds a collective kernel takes longer when compute kernels run beside it than on an idle device, each
     collective alike whatever its size (its blocks wait for SMs the GEMMs hold; see the module docstring)."""
     compute_slowdown_s: float = 0.064e-3

@@ -411,7 +411,8 @@ def test_collectives_the_planners_do_not_move_are_communication_not_compute(fake
     in-graph optimizer reads the gradients: not an FSDP one) runs on the communication stream from
     where the graph issues it to its wait. Traced, its wait directly follows: compute stalls for all
     of it, counted as exposed communication, not compute (a fake-communication run measures compute
-    alone). With its wait after a matmul, the matmul hides it."""
+    alone). With its wait after a matmul, the matmul hides it, and each runs slower beside the other (the
+    per-collective slowdowns measured on 2 H200s, hardware.py)."""
     import torch.distributed._functional_collectives as funcol
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -440,6 +441,9 @@ def test_collectives_the_planners_do_not_move_are_communication_not_compute(fake
     mul.prepend(wait)
     overlapped = as_issued(gm, model)
     assert overlapped.compute_s == blocking.compute_s and overlapped.exposed_comm_s == 0.0
+    assert overlapped.comm_s == pytest.approx(comm + model.hw.collective_slowdown_s, rel=1e-12)
+    assert overlapped.step_s == pytest.approx(compute + model.hw.launch_s + model.hw.compute_slowdown_s, rel=1e-12)
+    assert model.hw.collective_slowdown_s > 0 and model.hw.compute_slowdown_s > 0
 
 
 def test_all_to_alls_are_priced_with_the_figures_the_probe_measured_for_them():

@@ -18,10 +18,10 @@ prediction file, on the numbers of `graph_trainer.hardware` (the solver prices w
   attention, collectives and the other extern kernels stay one kernel each. A single op priced alone
   (`node_time`, the memory policy's recompute price) costs max(roofline, launch_s).
 - A timeline of one step: compute runs in graph order, collectives run one after another on their
-  communicator's stream from the point they are issued (one that overlaps compute takes
-  `Hardware.collective_slowdown_s` longer, and slows that compute by `compute_slowdown_s`) (two communicators run at once: the FSDP
+  communicator's stream from the point they are issued (two communicators run at once: the FSDP
   all-gathers on their own, passes/gather_group.py); a wait stalls compute until its collective
-  is done. Two communicators that are busy together share one link: each is priced at its full
+  is done. A collective that overlaps compute takes `Hardware.collective_slowdown_s` longer and slows
+  that compute by `compute_slowdown_s`. Two communicators that are busy together share one link: each is priced at its full
   rate, which is optimistic where both are bandwidth-bound. The FSDP collectives are placed by the planners (`bucket_plan`); every other collective
   is issued and waited for where the traced graph has it. The schedulers compare plans by the
   simulated step time.
