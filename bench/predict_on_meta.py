@@ -3,7 +3,8 @@ qwen3 with manual placement (SimpleFSDP / TP), without GPUs and without memory: 
 on a fake process group, the model on the meta device, the train step traced on fake tensors, the
 parameter and activation policies and the backend's graph passes applied (the recomputation and the
 collective schedule the job resolves to), then priced as the compiler receives it, with
-`--compile.hardware`. Takes `graph-trainer train`'s flags; the local batch
+`--compile.hardware`, and its peak memory simulated (`memory_policy.step_peak_bytes`: the schedule's buckets
+included, which the memory policy does not see). Takes `graph-trainer train`'s flags; the local batch
 is `--training.batch_size` over the data-parallel degrees, as in a run.
 
     python bench/predict_on_meta.py --model.flavor 8B --training.seq_len 8192 --training.batch_size 8 \\
@@ -32,11 +33,12 @@ from graph_trainer.parallel import apply_activation_checkpointing
 from graph_trainer.parallel.compat import init_fake_process_group
 from graph_trainer.parallel.mesh import build_meshes, resolve_degrees
 from graph_trainer.parallel.simple_fsdp import MixedPrecision
-from graph_trainer.passes.memory_policy import activation_passes
+from graph_trainer.passes.memory_policy import activation_passes, step_peak_bytes
 from graph_trainer.passes.registry import ESTIMATES, PASSES, PassContext, apply_passes
 from graph_trainer.passes.reshard import parameter_passes
 from graph_trainer.placement import place_model
 from graph_trainer.train_step import FunctionalTrainStep, named_buffers
+from graph_trainer.units import GiB
 
 TORCHTITAN_BETAS = (0.9, 0.95)
 """torchtitan's AdamW betas (the update's scalars change no shape, so no price)."""
@@ -78,7 +80,8 @@ def main(argv: list[str]) -> None:
     print(f"{len(gm.graph.nodes)} nodes ({recomputed} recomputed), {time.perf_counter() - start:.1f} s, passes "
           f"{','.join(backend[:lowering]) or 'none'}: compute_ms {est.compute_s * 1e3:.1f} exposed_comm_ms "
           f"{est.exposed_comm_s * 1e3:.1f} step_ms {est.step_s * 1e3:.1f} (optimizer after the graph "
-          f"{est.optimizer_s * 1e3:.1f} ms), hardware {est.hardware['hardware']}")
+          f"{est.optimizer_s * 1e3:.1f} ms), hardware {est.hardware['hardware']}, simulated peak "
+          f"{step_peak_bytes(gm, ctx) / GiB:.2f} GiB")
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ from ..units import GiB, fill_device, parse_memory_budget
 from .activations import Activations
 from .cost_model import CostModel
 from .fusion import FUSING_BACKENDS, unmaterialized
-from .liveness import Profile, Simulator, Step
+from .liveness import Profile, Simulator, Step, graph_schedule
 from .memory_report import report_partition, report_policy, report_train_step
 from .offload_choice import NEVER, OFFLOAD_BACKENDS, Offload, choose_offloads, loss_step, offload_in_backward
 from .recompute import Ledger, Policy, recompute_in_backward, recomputed_bytes, schedule
@@ -278,6 +278,13 @@ def persistent_bytes(gm: fx.GraphModule, ctx: PassContext) -> int:
     moments = 0 if ctx.cfg.compile.optimizer_in_graph else 2 * params
     accumulated = params if ctx.cfg.training.gradient_accumulation_steps > 1 else 0
     return sum(inputs) + moments + accumulated
+
+
+def step_peak_bytes(gm: fx.GraphModule, ctx: PassContext) -> int:
+    """The simulated peak of the step as `gm` stands after any pass (the collective schedule's buckets and
+    prefetched gathers included), with what the step holds besides its values."""
+    fused = compiler_fused(Activations.of_step(gm, ctx)) if ctx.cfg.compile.inductor_compilation in FUSING_BACKENDS else set()
+    return persistent_bytes(gm, ctx) + Simulator(fused)(graph_schedule(gm.graph.nodes)).peak
 
 
 def step_budget(ctx: PassContext) -> float:
