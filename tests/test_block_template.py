@@ -16,7 +16,7 @@ from torch.nn.attention import flex_attention
 from graph_trainer.blocks import annotate_blocks, node_block
 from graph_trainer.capture.optimizer_in_graph import AdamWHyper, ClipAndAdamWStep
 from graph_trainer.capture import fake_trace, fx_trace
-from graph_trainer.capture.block_template import TemplatePlan, storage_of, tensors_of, plan_template
+from graph_trainer.capture.block_template import TemplatePlan, storage_of, tensors_of, plan_templates
 from graph_trainer.capture.fake_trace import trace_on_fake_mesh
 from graph_trainer.compile_cache import graph_fingerprint
 from graph_trainer.config import parse_args
@@ -76,7 +76,7 @@ def test_the_step_from_a_few_blocks_is_the_step_traced_whole(name, monkeypatch):
     monkeypatch.setattr(flex_attention, "_validate_device", lambda query, key, value: None)
     templated = _trace(world, flags)
     assert templated.graph.meta["traced_blocks"] == TRACED.get(name, 3)
-    monkeypatch.setattr(fx_trace, "plan_template", lambda model, first_apart=False: None)
+    monkeypatch.setattr(fx_trace, "plan_templates", lambda model: [])
     whole = _trace(world, flags)
     assert whole.graph.meta["traced_blocks"] == 8
     a, b = templated.graph, whole.graph
@@ -109,7 +109,7 @@ def test_the_in_graph_optimizer_step_from_a_few_blocks_is_the_step_traced_whole(
     world, flags = CONFIGS[name]
     templated = _optimizer_step_trace(world, flags)
     assert templated.meta["traced_blocks"] == TRACED.get(name, 3)
-    monkeypatch.setattr(fx_trace, "plan_template", lambda model, first_apart=False: None)
+    monkeypatch.setattr(fx_trace, "plan_templates", lambda model: [])
     whole = _optimizer_step_trace(world, flags)
     assert whole.meta["traced_blocks"] == 8
     assert any(n.target is torch.ops.aten.copy_.default for n in templated.graph.nodes)
@@ -157,7 +157,7 @@ def test_a_buffer_nothing_reads_between_blocks_stays_with_its_block(monkeypatch)
     assert templated.graph.meta["traced_blocks"] == 3
     dead = [n for n in templated.graph.graph.nodes if n.target is torch.ops.aten.empty.memory_format and not n.users]
     assert len(dead) == 8 and all(node_block(n) is None for n in dead)
-    monkeypatch.setattr(fx_trace, "plan_template", lambda model, first_apart=False: None)
+    monkeypatch.setattr(fx_trace, "plan_templates", lambda model: [])
     assert graph_fingerprint(templated.graph) == graph_fingerprint(_trace(world, flags).graph)
 
 
@@ -165,6 +165,6 @@ def test_the_plan_traces_the_fewest_blocks_that_cover_every_layer():
     trace = _trace(2, ("--model.name", "deepseek_v3", "--model.n_layers", "8", "--parallelism.dp_shard", "2"))
     # a dense block, then MoE ones: layer 1 repeats traced layer 1 (dense before, MoE after), the MoE interior
     # layers traced layer 2, the last the last traced
-    assert plan_template(trace.model) == TemplatePlan(tuple(map(str, range(8))), 4, (0, 1, 2, 2, 2, 2, 2, 3))
+    assert plan_templates(trace.model)[0] == TemplatePlan(tuple(map(str, range(8))), 4, (0, 1, 2, 2, 2, 2, 2, 3))
     short = _trace(2, ("--model.name", "llama3", "--model.n_layers", "4", "--parallelism.dp_shard", "2"))
-    assert plan_template(short.model) is None and short.graph.meta["traced_blocks"] == 4
+    assert plan_templates(short.model) == [] and short.graph.meta["traced_blocks"] == 4

@@ -19,7 +19,7 @@ that covers every layer; a model where that is all its layers (or nearly) is tra
 The first layer's ops can differ from those of a later layer of the same key: under auto placement the embedding's
 output reaches it in another layout (llama3 with every second block checkpointed: layer 2 repeats traced layer 2,
 layer 3 traced layer 1, whose neighbour, traced layer 0, holds ops layer 2 does not). The template is then traced
-again with the first layer's key its own (`first_apart`), so that no interior layer repeats one whose neighbour is
+again with the first layer's key its own (`plan_templates`' second plan), so that no interior layer repeats one whose neighbour is
 the first: two more layers traced (6 of 16) instead of every one.
 
 Every op of the template gets an owner: its block's mark (blocks.py), else the one layer its inputs come from (a
@@ -91,16 +91,24 @@ class TemplatePlan:
         return f"layers.{self.names[position]}."
 
 
-def plan_template(model: nn.Module, first_apart: bool = False) -> TemplatePlan | None:
-    """Which layers to trace and which each other layer repeats; None where tracing them all is about as quick.
-    `first_apart`: the first layer matches no other."""
+def plan_templates(model: nn.Module) -> list[TemplatePlan]:
+    """The templates to try, in order: which layers to trace and which each other layer repeats; then, where it
+    differs, the same with the first layer matching no other. Empty where tracing them all is about as quick."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict) or len(layers) < 5:
-        return None
+        return []
     names = tuple(layers.keys())
     key = [layer_key(b) for b in layers.values()]
-    if first_apart:
-        key[0] = f"first {key[0]}"
+    plans: list[TemplatePlan] = []
+    for keys in (key, [f"first {key[0]}", *key[1:]]):
+        plan = _plan(names, keys)
+        if plan is not None and plan not in plans:
+            plans.append(plan)
+    return plans
+
+
+def _plan(names: tuple[str, ...], key: list[str]) -> TemplatePlan | None:
+    """The least m that covers every layer of these keys (None where it would be all of them, or nearly)."""
     n = len(key)
     for m in range(3, n - 1):
         source = [0] * n

@@ -33,7 +33,7 @@ from ..regions import BackwardSeqNr, copy_marks_to_backward
 from ..train_step import FunctionalTrainStep, accumulate_grads, named_buffers
 from .registry import CaptureContext
 from .compat import untraced_sharding_propagation
-from .block_template import TemplatePlan, expand, plan_template, traced_layers
+from .block_template import expand, plan_templates, traced_layers
 from .trace_cache import TraceCache
 from .unread import drop_unread
 from .update_tail import append_update
@@ -91,15 +91,11 @@ def trace_train_step(
     fake_args += [_fake_like(mode, inputs, device, False), _fake_like(mode, labels, device, False)]
     fake_args += [_fake_like(mode, e, device, False) for e in extra]
     train = step.fn if extra else step
-    tried: list[TemplatePlan] = []
-    # a template the first layer's ops do not fit is tried again with that layer apart (block_template.py)
-    for first_apart in (False, True) if type(train) is FunctionalTrainStep else ():
-        plan = plan_template(train.model, first_apart)
-        if plan is None or plan in tried:
-            continue
-        tried.append(plan)
-        names = [*(s.fqn for s in train.specs), *train.buffer_names]
-        step_args = fake_args[: len(names) + 2]
+    # a template the first layer's ops do not fit is followed by one with that layer apart (block_template.py)
+    plans = plan_templates(train.model) if type(train) is FunctionalTrainStep else []
+    names = [*(s.fqn for s in train.specs), *train.buffer_names] if plans else []
+    step_args = fake_args[: len(names) + 2]
+    for plan in plans:
         with traced_layers(train.model, plan):
             part = FunctionalTrainStep(train.model, train.loss_fn, train.loss_scale)
             part_names = [*(s.fqn for s in part.specs), *part.buffer_names]

@@ -58,7 +58,7 @@ def serial_gloo() -> str:
     flight, and the traced dp_shard 2 step crashed twice in about 1,000 steps on a 2-core machine and once in
     CI. One thread runs a group's collectives in the order they were issued, as a NCCL communicator's stream
     does (a 2-rank and a 4-rank test took the same time on one thread as on two)."""
-    if SERIAL_GLOO.upper() not in dist.Backend._plugins:
+    if SERIAL_GLOO not in dist.Backend.backend_list:
         dist.Backend.register_backend(SERIAL_GLOO, _make_serial_gloo, devices=["cpu"])
     return SERIAL_GLOO
 

@@ -283,7 +283,7 @@ def persistent_bytes(gm: fx.GraphModule, ctx: PassContext) -> int:
 def step_peak_bytes(gm: fx.GraphModule, ctx: PassContext) -> int:
     """The simulated peak of the step as `gm` stands after any pass (the collective schedule's buckets and
     prefetched gathers included), with what the step holds besides its values."""
-    fused = compiler_fused(Activations.of_step(gm, ctx)) if ctx.cfg.compile.inductor_compilation in FUSING_BACKENDS else set()
+    fused = compiler_fused(Activations.of_step(gm, ctx), ctx)
     return persistent_bytes(gm, ctx) + Simulator(fused)(graph_schedule(gm.graph.nodes)).peak
 
 
@@ -298,9 +298,13 @@ def activation_budget(ctx: PassContext) -> float:
     return step_budget(ctx) - state_bytes(ctx)
 
 
-def compiler_fused(acts: Activations) -> set[fx.Node]:
+def compiler_fused(acts: Activations, ctx: PassContext) -> set[fx.Node]:
     """The values a whole-graph Inductor compile fuses away (`fusion`): within a block's forward, a
-    block's backward, or the code outside the blocks (the loss's forward and backward run together)."""
+    block's backward, or the code outside the blocks (the loss's forward and backward run together);
+    none under a backend that does not compile the whole graph."""
+    if ctx.cfg.compile.inductor_compilation not in FUSING_BACKENDS:
+        return set()
+
     def piece(node: fx.Node) -> Hashable:
         block = node_block(node)
         return None if block is None else (block, acts.is_backward(node))
@@ -314,7 +318,7 @@ def _train_step(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cost = CostModel.for_context(ctx)
     persistent = persistent_bytes(gm, ctx)
     budget = step_budget(ctx) if name == "memory_budget" else None
-    fused = compiler_fused(acts) if ctx.cfg.compile.inductor_compilation in FUSING_BACKENDS else set()
+    fused = compiler_fused(acts, ctx)
     if budget is not None:
         policy = plan_memory_budget(acts, budget - persistent, cost.node_time, Offload(offload_mode(ctx.cfg), cost.hw), fused)
     else:
