@@ -297,6 +297,10 @@ class Profiling:
     """First profiled step (after warm-up and compilation)."""
     steps: int = 2
     """Number of profiled steps."""
+    memory_snapshot: bool = False
+    """Record the CUDA allocator's history over the profiled steps (with or without --profiling.enable): rank 0 writes
+    profile/memory_snapshot.pickle (for pytorch.org/memory_viz) and profile/memory_peak.json, what was allocated at the
+    peak, by the line that allocated it (a compiled graph's line names the graph nodes it computes)."""
 
 
 @dataclass

@@ -11,6 +11,11 @@ run under `torch.profiler`; rank 0 writes `<dump_folder>/profile/trace.json` (Ch
 - `top_kernels`: the kernels (GPU) or operators (CPU) that took the most time, with their share of
   `kernel_ms` (the profiler slows the host side of a step, not the kernels, so shares of kernel time
   hold for unprofiled steps; shares of the profiled wall time would not).
+With `--profiling.memory_snapshot` the same steps record the CUDA allocator's history; rank 0 writes
+`memory_snapshot.pickle` (pytorch.org/memory_viz) and `memory_peak.json`: the most bytes allocated at once, what
+was allocated before the recording started, and the blocks live at that peak grouped by the line that allocated
+them (`at_peak`, largest first: a compiled graph's `empty_strided_cuda` line with the graph nodes Inductor's comment
+above it names).
 On the CPU the "kernels" are ATen operators (self time) and collectives are gloo's `c10d::` ops, which
 run on their own threads, so overlap there is only indicative. Profiled steps are slower than the
 others: their metrics records carry `"profiled": true` so throughput figures can leave them out.
@@ -19,6 +24,8 @@ others: their metrics records carry `"profiled": true` so throughput figures can
 from __future__ import annotations
 
 import json
+import linecache
+import pickle
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -29,6 +36,9 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 TOP_KERNELS = 15
+AT_PEAK_LINES = 30
+_OWN_FRAMES = ("torchinductor", "graph_trainer")
+"""Where a block's allocating line is looked for, innermost frame first: a compiled graph's module, then ours."""
 # NCCL kernels on the GPU; on the CPU the functional collectives, their waits and gloo's own ops.
 _COMM_MARKERS = ("nccl", "c10d::", "gloo", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "alltoall", "wait_tensor")
 
@@ -104,22 +114,75 @@ def summarize_events(events: list[Any], steps: int, wall_s: float, device_type: 
     }
 
 
+def _allocating_line(frames: list[dict]) -> tuple[str, str]:
+    """(file:line, its source and the graph nodes it computes) of the innermost frame in a compiled graph or ours."""
+    for f in frames:
+        name, line = f["filename"], f["line"]
+        if any(part in name for part in _OWN_FRAMES):
+            code = linecache.getline(name, line).strip()
+            for back in range(1, 4):
+                previous = linecache.getline(name, line - back).strip()
+                if previous.startswith("# Topologically Sorted Source Nodes"):
+                    code = f"{code}  {previous}"
+                    break
+            return f"{name}:{line}", code
+    top = frames[0] if frames else {"filename": "?", "line": 0}
+    return f"{top['filename']}:{top['line']}", ""
+
+
+def memory_at_peak(trace: list[dict], before: int) -> dict[str, Any]:
+    """The peak of active bytes over an allocator trace (torch.cuda.memory._snapshot()'s device trace) that began with
+    `before` bytes active (a block counts until its free completes, as the allocator's active figure counts it), and
+    the blocks live there grouped by allocating line."""
+    live: dict[int, dict] = {}
+    current = peak = before
+    peak_at = -1
+    for i, event in enumerate(trace):
+        if event["action"] == "alloc":
+            current += event["size"]
+            if current > peak:
+                peak, peak_at = current, i
+        elif event["action"] == "free_completed":
+            current -= event["size"]
+    for event in trace[: peak_at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    lines: dict[str, list] = {}
+    for event in live.values():
+        where, code = _allocating_line(event.get("frames", []))
+        entry = lines.setdefault(where, [0, 0, code])
+        entry[0] += event["size"]
+        entry[1] += 1
+    top = sorted(lines.items(), key=lambda kv: -kv[1][0])[:AT_PEAK_LINES]
+    at_peak = [{"where": where, "bytes": size, "blocks": count, "code": code} for where, (size, count, code) in top]
+    return {"peak_bytes": peak, "before_recording_bytes": before, "at_peak": at_peak}
+
+
 class StepProfiler:
     """Starts the profiler before the first profiled step and stops it after the last one."""
 
-    def __init__(self, dump_folder: str, start_step: int, steps: int, device: torch.device, is_rank0: bool, enabled: bool):
+    def __init__(self, dump_folder: str, start_step: int, steps: int, device: torch.device, is_rank0: bool,
+                 enabled: bool, memory_snapshot: bool = False):
         self.folder = Path(dump_folder) / "profile"
         self.first, self.last = start_step, start_step + steps - 1
         self.device = device
         self.is_rank0 = is_rank0
         self.enabled = enabled
+        self.memory_snapshot = memory_snapshot
         self.prof: profile | None = None
         self.started_at = 0.0
+        self.allocated_before = 0
 
     def covers(self, step: int) -> bool:
         return self.enabled and self.first <= step <= self.last
 
     def before_step(self, step: int) -> None:
+        if self.memory_snapshot and step == self.first:
+            self._sync()
+            self.allocated_before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         if not (self.enabled and step == self.first):
             return
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
@@ -129,6 +192,16 @@ class StepProfiler:
         self.started_at = time.perf_counter()
 
     def after_step(self, step: int) -> None:
+        if self.memory_snapshot and step == self.last:
+            self._sync()
+            snapshot = torch.cuda.memory._snapshot(self.device)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            if self.is_rank0:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                (self.folder / "memory_snapshot.pickle").write_bytes(pickle.dumps(snapshot))
+                trace = snapshot["device_traces"][self.device.index or 0]
+                summary = memory_at_peak(trace, self.allocated_before)
+                (self.folder / "memory_peak.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self.prof is None or step != self.last:
             return
         self._sync()

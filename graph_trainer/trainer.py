@@ -348,7 +348,8 @@ class GraphTrainer:
                                 self.device, self.env.world_size, self.cfg.metrics.progress_bar, first_step=self.step + 1,
                                 ranks_per_batch_shard=self.degrees.world_size // self.degrees.dp)
         p = self.cfg.profiling
-        profiler = StepProfiler(self.cfg.job.dump_folder, p.start_step, p.steps, self.device, self.is_rank0, p.enable)
+        profiler = StepProfiler(self.cfg.job.dump_folder, p.start_step, p.steps, self.device, self.is_rank0, p.enable,
+                                p.memory_snapshot)
         writers = MetricWriters(self.cfg, self.is_rank0)
         records = []
         start = time.perf_counter()

@@ -138,7 +138,8 @@ def check_training(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
     if cfg.metrics.log_freq < 1:
         raise ConfigError(f"metrics.log_freq must be >= 1, got {cfg.metrics.log_freq}")
     prof = cfg.profiling
-    if prof.enable and (prof.start_step < 1 or prof.steps < 1 or prof.start_step + prof.steps - 1 > t.steps):
+    outside = prof.start_step < 1 or prof.steps < 1 or prof.start_step + prof.steps - 1 > t.steps
+    if (prof.enable or prof.memory_snapshot) and outside:
         raise ConfigError(
             f"profiling.start_step={prof.start_step} and profiling.steps={prof.steps} must name steps within "
             f"1..training.steps={t.steps}; e.g. --profiling.start_step {max(1, t.steps - 1)} --profiling.steps 1"
@@ -156,6 +157,8 @@ def check_compile(cfg: JobConfig, device_type: str) -> None:
     check_config(cfg)
     if cfg.compile.async_tp_chunks < 2:
         raise ConfigError(f"compile.async_tp_chunks must be >= 2 (slices of each rank's rows), got {cfg.compile.async_tp_chunks}")
+    if cfg.profiling.memory_snapshot and device_type != "cuda":
+        raise ConfigError("--profiling.memory_snapshot records the CUDA allocator: run on GPUs, or drop it")
     if cfg.compile.async_tp_lowering == "symm_mem" and (device_type != "cuda" or cfg.comm.mode == "fake"):
         raise ConfigError("--compile.async_tp_lowering symm_mem needs CUDA GPUs and real communication: use chunked (or auto)")
     if cfg.compile.compile_workers < -1:

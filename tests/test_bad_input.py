@@ -147,6 +147,8 @@ CASES = [
     Case("compile_workers_below_auto", ["--compile.compile_workers", "-2"], "compile.compile_workers must be -1 (auto), 0 (none) or a count"),
     Case("profile_past_the_last_step", ["--profiling.enable", "--training.steps", "5", "--profiling.start_step", "5",
                                         "--profiling.steps", "2"], "--profiling.start_step 4 --profiling.steps 1"),
+    Case("memory_snapshot_without_cuda", ["--profiling.memory_snapshot"],
+         "--profiling.memory_snapshot records the CUDA allocator: run on GPUs, or drop it"),
     # files
     Case("dataset_missing", ["--training.dataset_path", "{scratch}/none.txt"], "pass an existing .txt/.jsonl/.parquet"),
     Case("dataset_is_a_json_file", ["--training.dataset_path", "{scratch}/data.json"], "data.json is not a supported format; a JSON file "

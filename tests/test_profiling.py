@@ -52,3 +52,33 @@ def test_profiled_steps_are_marked_and_summarised(profiled):
     assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
     mm = next(k for k in summary["top_kernels"] if k["name"] == "aten::mm")
     assert mm["share_of_kernel_time"] == pytest.approx(mm["ms_per_step"] / summary["kernel_ms"])
+
+
+def test_memory_at_peak_names_the_compiled_lines_live_at_the_peak(tmp_path):
+    """memory_peak.json: the peak over the recorded steps (with what was allocated before the recording) and the
+    blocks live there by allocating line, a compiled graph's line with the nodes Inductor's comment names."""
+    from graph_trainer.profiling import memory_at_peak
+
+    code = tmp_path / "torchinductor_x" / "cabc.py"
+    code.parent.mkdir()
+    code.write_text("def call(args):\n"
+                    "    # Topologically Sorted Source Nodes: [zeros_1, add_], Original ATen: [aten.zeros]\n"
+                    "    buf3 = empty_strided_cuda((128256, 4096), (4096, 1), torch.float32)\n"
+                    "    buf4 = empty_strided_cuda((2048, 128256), (128256, 1), torch.bfloat16)\n")
+    torch_frame = {"filename": "/site-packages/torch/_ops.py", "line": 9, "name": "__call__"}
+
+    def event(action: str, addr: int, size: int, line: int = 3) -> dict:
+        return {"action": action, "addr": addr, "size": size,
+                "frames": [torch_frame, {"filename": str(code), "line": line, "name": "call"}]}
+
+    trace = [event("alloc", 1, 100), event("alloc", 2, 50, 4), event("free_completed", 2, 50, 4),
+             event("alloc", 3, 70), event("free_requested", 1, 100), event("free_completed", 1, 100),
+             event("alloc", 4, 20, 4), event("free_completed", 99, 30)]
+    got = memory_at_peak(trace, before=1000)
+    # peak after block 3: 1000 + 100 + 70 (block 2 was freed before it); the later free of a block allocated before
+    # the recording (99) lowers the running total, not the peak
+    assert got["peak_bytes"] == 1170 and got["before_recording_bytes"] == 1000
+    assert got["at_peak"] == [{"where": f"{code}:3", "bytes": 170, "blocks": 2,
+                               "code": "buf3 = empty_strided_cuda((128256, 4096), (4096, 1), torch.float32)  "
+                                       "# Topologically Sorted Source Nodes: [zeros_1, add_], Original ATen: [aten.zeros]"}]
+
