@@ -468,3 +468,14 @@ def test_the_link_probe_fit_recovers_the_ring_model_the_cost_model_prices_with()
         small_s, large_s = (hardware.ring_collective_s("all_gather", n, ranks, bandwidth, latency) for n in links.PROBE_BYTES)
         found = links.fit(ranks, small_s, large_s)
         assert found.bytes_per_s == pytest.approx(bandwidth, rel=1e-9) and found.latency_s == pytest.approx(latency, rel=1e-6)
+
+
+def test_a_one_rank_collective_slows_neither_itself_nor_the_compute_beside_it():
+    """Over one rank a collective moves nothing: no overlap slowdown for it or for the compute it overlaps, priced by
+    one rule wherever a plan or the traced graph places it (bucket_plan.transfers, fixed_transfers)."""
+    model = CostModel(hardware.H100)
+    assert model.compute_slowdown(1) == 0.0 and model.compute_slowdown(2) == hardware.H100.compute_slowdown_s > 0
+    alone = model.collective_time("all_gather", 1 << 20, 1)
+    assert model.collective_time("all_gather", 1 << 20, 1, beside_compute=True) == alone
+    paired = model.collective_time("all_gather", 1 << 20, 2)
+    assert model.collective_time("all_gather", 1 << 20, 2, beside_compute=True) == paired + hardware.H100.collective_slowdown_s

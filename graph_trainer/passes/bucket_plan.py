@@ -82,9 +82,9 @@ def fixed_transfers(order: list[fx.Node], planned: set[fx.Node], model: CostMode
             continue
         wait = pos[waits[0]]
         overlaps = wait > i + 1
-        fixed.append(Transfer(i, wait, model.collective_node_time(n, kind, beside_compute=overlaps),
-                              model.hw.launch_s + (model.hw.compute_slowdown_s if overlaps else 0.0),
-                              channel=n.args[-1], kind=kind))
+        slows = model.compute_slowdown(model.group_size(n, kind)) if overlaps else 0.0
+        comm_s = model.collective_node_time(n, kind, beside_compute=overlaps)
+        fixed.append(Transfer(i, wait, comm_s, model.hw.launch_s + slows, channel=n.args[-1], kind=kind))
     return fixed
 
 
@@ -165,9 +165,8 @@ def transfers(buckets: list[Bucket], model: CostModel) -> list[Transfer]:
             copy_in, copy_out = model.copy_time(b.nbytes // ranks), model.copy_time(b.nbytes)
         else:
             copy_in, copy_out = model.copy_time(b.nbytes), 0.0
-        slows = model.hw.compute_slowdown_s if ranks > 1 else 0.0
-        out.append(Transfer(b.issue, b.wait, _comm_time(b, model),
-                            model.hw.launch_s + slows + (copy_in if merged else 0.0), copy_out if merged else 0.0,
+        issue_cost = model.hw.launch_s + model.compute_slowdown(ranks) + (copy_in if merged else 0.0)
+        out.append(Transfer(b.issue, b.wait, _comm_time(b, model), issue_cost, copy_out if merged else 0.0,
                             b.members[0].group_name, b.kind))
     return out
 

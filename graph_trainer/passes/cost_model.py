@@ -213,22 +213,28 @@ class CostModel:
         slower = self.hw.collective_slowdown_s if beside_compute and group_size > 1 else 0.0
         return ring_collective_s(kind, nbytes, group_size, bw, latency) + slower
 
+    def compute_slowdown(self, group_size: int) -> float:
+        """What a collective over `group_size` ranks adds to the compute it overlaps (`Hardware.compute_slowdown_s`);
+        nothing over one rank, where it moves nothing (as `collective_time` adds nothing to itself there)."""
+        return self.hw.compute_slowdown_s if group_size > 1 else 0.0
+
     def blocking_collective_time(self, node: fx.Node, kind: str) -> float:
         """A collective the schedulers do not move (tensor-parallel activations, all-reduces,
         all-to-alls) holds compute up for its whole time: its wait directly follows in the traced graph."""
         return self.collective_node_time(node, kind) + self.hw.launch_s
 
+    def group_size(self, node: fx.Node, kind: str) -> int:
+        """The ranks the collective `node` runs over."""
+        if kind in ("all_gather", "reduce_scatter"):
+            return node.args[-2]
+        link = self.links.get(node.args[-1])
+        return link.size if link is not None else 1
+
     def collective_node_time(self, node: fx.Node, kind: str, beside_compute: bool = False) -> float:
         """Seconds of the collective `node` on its link (no launch)."""
-        group_name = node.args[-1]
-        link = self.links.get(group_name)
-        if kind in ("all_gather", "reduce_scatter"):
-            size = node.args[-2]
-        else:
-            size = link.size if link is not None else 1
         sent = fx.node.map_arg(node.args[0], lambda n: n.meta.get("val"))
         moved = nbytes(node.meta.get("val")) if kind == "all_gather" else nbytes(sent)
-        return self.collective_time(kind, moved, size, group_name, beside_compute)
+        return self.collective_time(kind, moved, self.group_size(node, kind), node.args[-1], beside_compute)
 
     def per_byte_time(self, kind: str, nbytes: int, group_size: int, group_name: str = "") -> float:
         return self.collective_time(kind, nbytes, group_size, group_name) / max(nbytes, 1)
