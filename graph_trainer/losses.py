@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import register_flop_formula
 
 from .train_step import LossFn
 
@@ -22,6 +23,49 @@ IGNORE_INDEX = -100
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX)
+
+
+# Each chunk's work ends before the next chunk's starts, so that its [chunk, vocab] and [vocab, dim] values die with
+# it: the next chunk's hidden states are read through `copy_after` the weight gradient's sum, and that sum is one op
+# Inductor does not see into (`add_product_`). Written as `acc += (a @ b).float()`, Inductor fused every chunk's
+# addition into one kernel after the last chunk's GEMM, holding the four chunks' [vocab, dim] products (4 x 0.98 GiB at
+# llama3 8B, 8192 tokens a rank); with the sum in one op it still ran every chunk's log-softmax before the first
+# chunk's gradients, holding their fp32 [chunk, vocab] values (3 x 0.98 GiB; allocator snapshots and Inductor's code
+# in bench/results/2026-11-30-session26, calls 2-5).
+
+
+@torch.library.custom_op("graph_trainer::add_product_", mutates_args=("acc",))
+def add_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, the product summed into acc's dtype inside the GEMM (bf16 operands into an fp32 acc: never
+    rounded to bf16)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.add_((a @ b).to(acc.dtype))
+
+
+@add_product_.register_fake
+def _(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("graph_trainer::copy_after", mutates_args=())
+def copy_after(x: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """A copy of x, taken once `after` holds its value (an op Inductor cannot move before the op that writes it)."""
+    return x.clone()
+
+
+@copy_after.register_fake
+def _(x: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@register_flop_formula(torch.ops.graph_trainer.add_product_)
+def _(acc_shape: torch.Size, a_shape: torch.Size, b_shape: torch.Size, *args, **kwargs) -> int:
+    """A GEMM's: the cost model prices the chunks' weight gradients (8.6 TFLOP a step at llama3 8B) by it."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -37,7 +81,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # Chunks' weight gradients add up in fp32: in bf16 every addition would round.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start : start + chunk]
+            h = copy_after(hidden[start : start + chunk], grad_weight)
             target = labels[start : start + chunk].clamp(min=0).unsqueeze(1)
             keep = counted[start : start + chunk].unsqueeze(1)
             logp = torch.log_softmax((h @ weight.t()).float(), dim=-1)
@@ -46,7 +90,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             dlogits = logp.exp_().scatter_add_(1, target, torch.full_like(target, -1.0, dtype=logp.dtype))
             dlogits = (dlogits * keep / count).to(hidden.dtype)
             grad_hidden[start : start + chunk] = dlogits @ weight
-            grad_weight += (dlogits.t() @ h).float()
+            add_product_(grad_weight, dlogits.t(), h)
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return loss / count
 

@@ -470,6 +470,26 @@ def test_the_link_probe_fit_recovers_the_ring_model_the_cost_model_prices_with()
         assert found.bytes_per_s == pytest.approx(bandwidth, rel=1e-9) and found.latency_s == pytest.approx(latency, rel=1e-6)
 
 
+def test_the_fused_losss_weight_gradient_is_priced_as_its_gemm():
+    """The fused loss sums each chunk's weight gradient with `add_product_`, which returns nothing: priced as the GEMM
+    it runs at its bf16 operands' rate (counted as no FLOPs, llama3 8B's 8.6 TFLOP a step went missing from the
+    estimate), not at fp32's."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graph_trainer.losses import add_product_
+
+    acc = torch.zeros(128256, 4096, device="meta")
+    dlogits_t = torch.zeros(128256, 2048, dtype=torch.bfloat16, device="meta")
+    hidden = torch.zeros(2048, 4096, dtype=torch.bfloat16, device="meta")
+    gm = make_fx(lambda acc, a, b: (add_product_(acc, a, b), torch.mm(a, b)))(acc, dlogits_t, hidden)
+    accumulate = next(n for n in gm.graph.nodes if n.target is torch.ops.graph_trainer.add_product_.default)
+    mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+    model = CostModel(hardware.H100)
+    gemm = 2 * 128256 * 2048 * 4096 / hardware.H100.flops(torch.bfloat16)
+    assert model.node_time(mm) == pytest.approx(gemm)
+    assert model.node_time(accumulate) == pytest.approx(gemm)
+
+
 def test_a_one_rank_collective_slows_neither_itself_nor_the_compute_beside_it():
     """Over one rank a collective moves nothing: no overlap slowdown for it or for the compute it overlaps, priced by
     one rule wherever a plan or the traced graph places it (bucket_plan.transfers, fixed_transfers)."""

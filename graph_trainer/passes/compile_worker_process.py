@@ -21,7 +21,7 @@ from .compile_workers import REPLY
 from .inductor import compile_graph, decompose
 
 OPS = ("graph_trainer.parallel.moe_dispatch", "graph_trainer.autoparallel.moe", "graph_trainer.passes.offload_ops",
-       "torch.distributed._symmetric_memory")
+       "graph_trainer.losses", "torch.distributed._symmetric_memory")
 """The modules that register the ops a piece may call, imported before a piece is unpickled: graph_trainer's own, and
 torch's fused async-TP ops (`async_tp`), which torch 2.11 defines only when its symmetric-memory module is imported
 (on 2 H200s, without it, 7 of 11 pieces of llama3 8B-16L at tp 2 failed in the workers with "'symm_mem' object has no

@@ -274,8 +274,9 @@ class CostModel:
         if kind is not None:
             return self.collective_node_time(node, kind)
         out = node.meta.get("val")
-        moved = nbytes(out) + sum(nbytes(a.meta.get("val")) for a in node.all_input_nodes)
-        return self._roofline(node_flops(node), moved, _dtype(out))
+        inputs = [a.meta.get("val") for a in node.all_input_nodes]
+        moved = nbytes(out) + sum(nbytes(v) for v in inputs)
+        return self._roofline(node_flops(node), moved, _dtype(out) if out is not None else _operand_dtype(inputs))
 
     def _roofline(self, flops: float, moved: float, dtype: torch.dtype) -> float:
         return max(flops / self.hw.flops(dtype), moved / self.hw.mem_bw)
@@ -330,6 +331,13 @@ def _dtype(out: Any) -> torch.dtype:
     """The first tensor result's dtype (attention returns a tuple: output, logsumexp, ...)."""
     tensors = [v for v in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(v, torch.Tensor)]
     return tensors[0].dtype if tensors else torch.float32
+
+
+def _operand_dtype(inputs: list[Any]) -> torch.dtype:
+    """The rate of an op that writes into an input and returns nothing (losses.add_product_: bf16 operands summed into
+    fp32): its narrowest floating operand's, as tensor cores run at the operands' precision."""
+    floats = [v.dtype for v in inputs if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return min(floats, key=lambda d: torch.finfo(d).bits, default=torch.float32)
 
 
 @dataclass(frozen=True)
