@@ -92,7 +92,7 @@ MULTI_CONFIGS = {
     2: [
         MultiConfig("1B dp2", "llama3", "1B", 0, 2, 4096, dp_shard=2),
         # torchtitan compile peaked at 39.9 GiB active on 2 H200s (bench/results/2026-11-28-auto-placed-4gpu, call 4);
-        # with the fused loss the step still peaks 1.8 GiB over the policy's simulated peak (at the start of backward:
+        # with the fused loss the step still peaks 1.8 GiB over the policy's simulated peak (in the first blocks' backward:
         # the reductions the overlap schedule keeps in flight, which the policy does not see; 41.2 GiB at a 39.5 GiB
         # budget), so it runs under a budget 2 GiB lower too (bench/results/2026-11-30-session26, calls 6 and 7)
         MultiConfig("8B-16L dp2", "llama3", "8B", 16, 1, 8192, dp_shard=2, ac="selective", memory_budgets=("40GiB", "38GiB")),
