@@ -170,7 +170,8 @@ class StepProfiler:
         self.device = device
         self.is_rank0 = is_rank0
         self.enabled = enabled
-        self.memory_snapshot = memory_snapshot
+        # only the rank that writes the snapshot records one: recording takes a Python stack at every allocation
+        self.memory_snapshot = memory_snapshot and is_rank0
         self.prof: profile | None = None
         self.started_at = 0.0
         self.allocated_before = 0
@@ -196,12 +197,10 @@ class StepProfiler:
             self._sync()
             snapshot = torch.cuda.memory._snapshot(self.device)
             torch.cuda.memory._record_memory_history(enabled=None)
-            if self.is_rank0:
-                self.folder.mkdir(parents=True, exist_ok=True)
-                (self.folder / "memory_snapshot.pickle").write_bytes(pickle.dumps(snapshot))
-                trace = snapshot["device_traces"][self.device.index or 0]
-                summary = memory_at_peak(trace, self.allocated_before)
-                (self.folder / "memory_peak.json").write_text(json.dumps(summary, indent=2) + "\n")
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / "memory_snapshot.pickle").write_bytes(pickle.dumps(snapshot))
+            summary = memory_at_peak(snapshot["device_traces"][self.device.index or 0], self.allocated_before)
+            (self.folder / "memory_peak.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self.prof is None or step != self.last:
             return
         self._sync()

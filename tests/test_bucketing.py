@@ -457,8 +457,8 @@ def test_default_schedule_on_four_ranks_buckets_per_block_on_its_own_group_bitwi
 
 def test_the_simulated_peak_of_the_scheduled_step_counts_its_buckets(fake_pg):
     """`memory_policy.step_peak_bytes` simulates the step as the compiler gets it: the per-block schedule's prefetched
-    gathers and bucket copies hold memory the unscheduled graph does not (llama3 8B cut to 16 layers at dp_shard 2,
-    traced on meta: 2.2 GiB over the memory policy's simulated peak, docs/memory.md)."""
+    gathers and bucket copies hold memory the unscheduled graph does not (`bench/predict_on_meta.py` prints it for a
+    GPU job, docs/memory.md)."""
     from graph_trainer.passes.memory_policy import step_peak_bytes
 
     gm, ctx = trace_llama("--parallelism.reshard_after_forward", "always")
