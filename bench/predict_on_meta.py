@@ -4,7 +4,7 @@ on a fake process group, the model on the meta device, the train step traced on 
 parameter and activation policies and the backend's graph passes applied (the recomputation and the
 collective schedule the job resolves to), then priced as the compiler receives it, with
 `--compile.hardware`, and its peak memory simulated (`memory_policy.step_peak_bytes`: the schedule's buckets
-included, which the memory policy does not see). Takes `graph-trainer train`'s flags; the local batch
+included, as the memory policy plans for them). Takes `graph-trainer train`'s flags; the local batch
 is `--training.batch_size` over the data-parallel degrees, as in a run.
 
     python bench/predict_on_meta.py --model.flavor 8B --training.seq_len 8192 --training.batch_size 8 \\
@@ -34,7 +34,7 @@ from graph_trainer.parallel.compat import init_fake_process_group
 from graph_trainer.parallel.mesh import build_meshes, resolve_degrees
 from graph_trainer.parallel.simple_fsdp import MixedPrecision
 from graph_trainer.passes.memory_policy import activation_passes, step_peak_bytes
-from graph_trainer.passes.registry import ESTIMATES, PASSES, PassContext, apply_passes
+from graph_trainer.passes.registry import ESTIMATES, PassContext, apply_passes, graph_passes
 from graph_trainer.passes.reshard import parameter_passes
 from graph_trainer.placement import place_model
 from graph_trainer.train_step import FunctionalTrainStep, named_buffers
@@ -69,16 +69,15 @@ def main(argv: list[str]) -> None:
         extra = [torch.zeros_like(q) for q in params] * 2 + scalars
     start = time.perf_counter()
     gm = trace_train_step(step, params, buffers, tokens, tokens, torch.device("cpu"), extra)
+    scheduling = graph_passes(get_backend(cfg.compile.inductor_compilation).pass_names(cfg.compile.passes))
     ctx = PassContext(cfg=cfg, meshes=meshes, device=torch.device("cuda"), num_params=len(params),
-                      num_buffers=len(buffers), param_fqns=[s.fqn for s in step.specs])
+                      num_buffers=len(buffers), param_fqns=[s.fqn for s in step.specs], later_passes=tuple(scheduling))
     gm = apply_passes(gm, parameter_passes(cfg) + activation_passes(cfg), ctx, "train_step")
-    backend = get_backend(cfg.compile.inductor_compilation).pass_names(cfg.compile.passes)
-    lowering = next((i for i, name in enumerate(backend) if PASSES[name].compiles or PASSES[name].lowers), len(backend))
-    gm = apply_passes(gm, backend[:lowering], ctx, "train_step")
+    gm = apply_passes(gm, scheduling, ctx, "train_step")
     est = ESTIMATES.pop("train_step")
     recomputed = sum(1 for n in gm.graph.nodes if n.meta.get("memory_policy") == "recomputed")
     print(f"{len(gm.graph.nodes)} nodes ({recomputed} recomputed), {time.perf_counter() - start:.1f} s, passes "
-          f"{','.join(backend[:lowering]) or 'none'}: compute_ms {est.compute_s * 1e3:.1f} exposed_comm_ms "
+          f"{','.join(scheduling) or 'none'}: compute_ms {est.compute_s * 1e3:.1f} exposed_comm_ms "
           f"{est.exposed_comm_s * 1e3:.1f} step_ms {est.step_s * 1e3:.1f} (optimizer after the graph "
           f"{est.optimizer_s * 1e3:.1f} ms), hardware {est.hardware['hardware']}, simulated peak "
           f"{step_peak_bytes(gm, ctx) / GiB:.2f} GiB")

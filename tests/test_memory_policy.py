@@ -8,6 +8,7 @@ refused combinations exit 2 with one line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -27,7 +28,8 @@ from graph_trainer.parallel.simple_fsdp import resharded_params
 from graph_trainer.passes.collectives import find_collectives, forward_derived, forward_end
 from graph_trainer.passes.cost_model import CostModel
 from graph_trainer.passes.liveness import graph_schedule, simulate
-from graph_trainer.passes.memory_policy import Activations, persistent_bytes, plan_memory_budget, recompute_in_backward, schedule
+from graph_trainer.passes.memory_policy import (Activations, persistent_bytes, plan_memory_budget, recompute_in_backward, schedule,
+                                               step_peak_bytes)
 from graph_trainer.passes.registry import apply_passes
 from graph_trainer.units import GiB
 
@@ -189,6 +191,27 @@ def test_liveness_of_the_mlp_equals_the_hand_count():
     assert simulate(graph_schedule(gm.graph.nodes)).peak == PEAK_NO_AC
 
 
+def test_a_collective_reads_its_input_until_its_wait():
+    """A reduce-scatter issued before an op and waited for after it (as the overlap schedule places them):
+    its 4 KiB input stays allocated to the wait, beside its 2 KiB output and the op's 4 KiB result. Freed
+    at the issue, the peak would be 6 KiB."""
+    graph = fx.Graph()
+
+    def add(op, args, numel):
+        node = graph.call_function(op, args)
+        node.meta["val"] = torch.empty(numel, device="meta")
+        return node
+
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(1024, device="meta")
+    grad = add(torch.ops.aten.mul.Tensor, (x, 2.0), 1024)
+    issued = add(torch.ops._c10d_functional.reduce_scatter_tensor.default, (grad, "sum", 2, "0"), 512)
+    other = add(torch.ops.aten.mul.Tensor, (x, 3.0), 1024)
+    waited = add(torch.ops._c10d_functional.wait_tensor.default, (issued,), 512)
+    graph.output((waited, other))
+    assert simulate(graph_schedule(graph.nodes)).peak == 4096 + 2048 + 4096
+
+
 @pytest.mark.parametrize("budget, recomputed, peak", [
     (PEAK_NO_AC, [], PEAK_NO_AC),
     (PEAK_NO_AC - 1, ["gelu"], PEAK_G1_RECOMPUTED),
@@ -303,6 +326,28 @@ def test_budget_recomputations_stay_within_a_block(fake_pg, caplog):
         original = by_name.get(node.name.removeprefix("recompute_"))
         if original is not None:
             assert all(block(u) == block(original) for u in original.users if pos[u] <= boundary), node.name
+
+
+@pytest.mark.parametrize("budget", [0.18, 0.14])
+def test_budget_holds_once_the_collective_schedule_runs(fake_pg, budget):
+    """The per-block schedule keeps reduce-scatter buckets in flight through the next block's backward,
+    which the rewritten graph does not show: planned on that graph alone, the step ends over its budget
+    once the schedule runs (at 8B on 2 GPUs the measured peak was 1.8 GiB over). Told the backend's
+    later passes, the policy plans with what they hold, and the scheduled step fits; its reported peaks
+    are the scheduled step's simulated one."""
+    def planned(later: tuple[str, ...]) -> tuple[float, dict]:
+        gm, ctx = trace_llama("--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", f"{budget}GiB")
+        ctx = dataclasses.replace(ctx, later_passes=later)
+        gm = apply_passes(gm, ["reshard_after_forward", "memory_policy"], ctx, "train_step")
+        report = ctx.report["memory_policy"]
+        gm = apply_passes(gm, ["transformer_block_bucketing"], ctx, "train_step")
+        return step_peak_bytes(gm, ctx) / GiB, report
+
+    blind, report = planned(())
+    assert report["ac_peak_gib"] <= budget < blind and "ac_scheduled_peak_gib" not in report
+    peak, report = planned(("transformer_block_bucketing",))
+    assert peak <= budget
+    assert report["ac_scheduled_peak_gib"] == pytest.approx(peak, rel=1e-12) == report["ac_peak_gib"]
 
 
 @pytest.mark.slow

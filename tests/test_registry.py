@@ -16,7 +16,7 @@ from helpers import launch
 from graph_trainer.backends import backend_names, get_backend
 from graph_trainer.config import ConfigError, JobConfig
 from graph_trainer.passes.listing import COLUMNS, registry_table
-from graph_trainer.passes.registry import PASSES
+from graph_trainer.passes.registry import PASSES, graph_passes
 from graph_trainer.passes.validate import check_passes
 
 
@@ -156,6 +156,18 @@ def test_native_backend_pass_lists(backend, user, expected):
     from graph_trainer.backends import get_backend
 
     assert get_backend(backend).pass_names(user) == expected
+
+
+@pytest.mark.parametrize("backend, user, expected", [
+    ("full", ["separate_gather_group", "transformer_block_bucketing"], ["separate_gather_group", "transformer_block_bucketing"]),
+    ("regional", ["transformer_block_bucketing"], ["transformer_block_bucketing"]),
+    ("autoparallel_backend", [], ["autoparallel_scheduling"]),
+    ("none", ["auto_bucketing", "cudagraph"], ["auto_bucketing"]),
+])
+def test_graph_passes_stop_at_the_first_that_lowers_or_compiles(backend, user, expected):
+    """What the memory policy runs on a copy of its rewrite (`PassContext.later_passes`): the backend's passes
+    that hand a graph on, before Inductor's decomposition, a compile, or a pass that wraps the compiled step."""
+    assert graph_passes(get_backend(backend).pass_names(user)) == expected
 
 
 def test_registry_table_lists_every_pass_with_its_constraints():

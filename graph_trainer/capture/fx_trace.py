@@ -28,7 +28,7 @@ from ..parallel.compat import is_lead_process
 from ..passes.compat import lazy_graph_modules
 from ..passes.memory_policy import activation_passes
 from ..passes.reshard import parameter_passes
-from ..passes.registry import PassContext, apply_passes
+from ..passes.registry import PassContext, apply_passes, graph_passes
 from ..regions import BackwardSeqNr, copy_marks_to_backward
 from ..train_step import FunctionalTrainStep, accumulate_grads, named_buffers
 from .registry import CaptureContext
@@ -198,6 +198,7 @@ class TracedStep:
             num_params=len(self.params),
             num_buffers=len(self.buffers),
             param_fqns=[s.fqn for s in self.fn.specs],
+            later_passes=tuple(graph_passes(backend.pass_names(cfg.compile.passes))),
         )
         # The parameter and activation policies decide what the traced step saves before any backend pass sees it.
         t2 = time.perf_counter()

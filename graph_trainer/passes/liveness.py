@@ -9,11 +9,16 @@ whoever knows what they are: parameters, optimizer state); graph outputs live to
 The schedule may differ from the graph's order (a pass can simulate a rewrite before doing it): each
 step names the value it produces (a key), the node whose op it runs and the key each input is read as.
 A step without a node only reads (a wait that holds its inputs until a transfer is done). The host
-copy an offload makes is not device memory: it counts nothing.
+copy an offload makes is not device memory: it counts nothing. A collective reads its inputs until its
+wait (NCCL works on them while the graph goes on): they live to the wait's step, which the collective
+schedule can put blocks after the issue (a gradient bucket in flight through the next block's backward).
 
 A compiler that fuses (`fusion.unmaterialized`, under a whole-graph Inductor compile) never writes
 some values: the simulation gives those no storage, and a read of one reads what it was made from
 (the fused kernel reads its producer's inputs), so those live until the fused value's last reader.
+
+What a later pass will hold that the schedule does not show (the collective schedule's buckets in
+flight) can be added as `extra` bytes by step key: from a step with a figure on, until the next one.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Collection, Hashable, Iterable, Mapping, Sequence
 import torch
 from torch import fx
 
-from ..graph_dump import nbytes
+from ..graph_dump import is_collective, nbytes
 from .bucketing_compat import WAIT
 from .offload_ops import OFFLOAD
 
@@ -72,17 +77,21 @@ class Profile:
     """The storage each value lives in (None: a graph input)."""
     alive: set[Hashable]
     """The storages live at the peak."""
+    curve: list[int]
+    """Bytes live at each step of the schedule (`extra` included)."""
 
 
 class Simulator:
     """Simulates schedules over one graph's nodes, remembering what each node's op allocates and
     aliases (a pass comparing many schedules of one graph pays for those once); `fused`: the nodes
-    whose values are never written (their copies in a schedule too)."""
+    whose values are never written (their copies in a schedule too); `extra`: bytes held besides the
+    schedule's values from the step of each key on (see the module's docstring)."""
 
-    def __init__(self, fused: Collection[fx.Node] = frozenset()) -> None:
+    def __init__(self, fused: Collection[fx.Node] = frozenset(), extra: Mapping[Hashable, int] | None = None) -> None:
         self._shares: dict[fx.Node, fx.Node | None] = {}
         self._bytes: dict[fx.Node, int] = {}
         self.fused = fused
+        self.extra = extra or {}
 
     def _shared(self, node: fx.Node) -> fx.Node | None:
         """The input whose storage `node`'s value lives in; None when it has its own."""
@@ -99,6 +108,8 @@ class Simulator:
         last: dict[Hashable, int] = {}
         # the storages a read of an unwritten (fused) value reads instead
         through: dict[Hashable, frozenset] = {}
+        # an issued collective's output -> the storages of its inputs, read until its wait
+        in_flight: dict[Hashable, frozenset] = {}
 
         def storages(read: Hashable) -> Iterable[Hashable]:
             if read in through:
@@ -121,6 +132,11 @@ class Simulator:
                     last[storage] = reader_end
             if node.op == "output":
                 continue
+            if node.target is WAIT:
+                for storage in in_flight.pop(inputs.get(node.args[0]), ()):
+                    last[storage] = i
+            elif is_collective(node):
+                in_flight[key] = frozenset(s for read in inputs.values() for s in storages(read))
             shared = self._shared(node)
             if node in self.fused:
                 owner[key] = None
@@ -137,13 +153,17 @@ class Simulator:
         for storage, bytes_ in size.items():
             change[born[storage]] += bytes_
             change[last[storage] + 1] -= bytes_
-        live = peak = at = 0
+        live = peak = at = held = 0
+        curve = []
         for i in range(end + 1):
             live += change[i]
-            if live > peak:
-                peak, at = live, i
+            if i < end:
+                held = self.extra.get(schedule[i][0], held)
+            curve.append(live + held)
+            if curve[-1] > peak:
+                peak, at = curve[-1], i
         alive = {s for s in size if born[s] <= at <= last[s] and size[s]}
-        return Profile(peak, at, owner, alive)
+        return Profile(peak, at, owner, alive, curve)
 
 
 def simulate(schedule: Sequence[Step]) -> Profile:

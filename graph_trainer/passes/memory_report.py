@@ -29,22 +29,28 @@ def report_policy(ctx: PassContext, saved: int, recomputed: int, budget: float |
 
 
 def report_train_step(ctx: PassContext, name: str, policy: Policy, recomputed: int, budget: float | None,
-                      persistent: int) -> None:
+                      persistent: int, scheduled: int | None = None) -> None:
     """aot_fx_trace: the policy's figures, its simulated peaks with what the step holds besides the
-    graph's own values (`persistent`), and one warning when the peak stays over the budget."""
+    graph's own values (`persistent`), the peak once the backend's later passes have scheduled the
+    collectives (`scheduled`, where the budget policy simulated them), and one warning when the step's
+    peak stays over the budget."""
     peak, without = persistent + policy.peak_bytes, persistent + policy.baseline_peak_bytes
+    more = {} if scheduled is None else {"ac_scheduled_peak_gib": scheduled / GiB}
     report_policy(ctx, policy.saved_bytes, recomputed, budget, policy.offloaded_bytes,
                   ac_baseline_gib=policy.baseline_bytes / GiB, ac_recompute_s=policy.recompute_s,
                   ac_offload_unhidden=policy.unhidden, ac_peak_gib=peak / GiB, ac_peak_baseline_gib=without / GiB,
-                  ac_persistent_gib=persistent / GiB)
+                  ac_persistent_gib=persistent / GiB, **more)
     log_policy(name, policy.saved_bytes, policy.baseline_bytes, recomputed, f" (est. {policy.recompute_s * 1e3:.1f} ms)",
                f"simulated peak {peak / GiB:.3f} GiB ({without / GiB:.3f} without recomputation or offload, {persistent / GiB:.3f} "
-               "of it parameters, optimizer state and inputs)" + ("" if budget is None else f", budget {budget / GiB:.3f} GiB"),
+               "of it parameters, optimizer state and inputs)"
+               + ("" if scheduled is None else f", {scheduled / GiB:.3f} GiB with the collective schedule")
+               + ("" if budget is None else f", budget {budget / GiB:.3f} GiB"),
                f"{policy.offloaded_bytes / GiB:.3f} GiB ({len(policy.offload)} activations, {policy.unhidden} of them with "
                "transfers compute does not hide)")
-    if budget is not None and peak > budget:
+    reached = max(peak, scheduled or 0)
+    if budget is not None and reached > budget:
         logger.warning(f"memory policy memory_budget: the budget of {budget / GiB:.3f} GiB cannot be met: recomputing all "
-                       f"that lowers the simulated peak leaves {peak / GiB:.3f} GiB")
+                       f"that lowers the simulated peak leaves {reached / GiB:.3f} GiB")
 
 
 def report_partition(ctx: PassContext, saved: int) -> None:

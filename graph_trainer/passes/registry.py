@@ -8,6 +8,7 @@ imports them all.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,10 @@ class PassContext:
     """Figures a pass reports, by pass name: recorded with its stage in the dumps' summary.json; the
     capture adds them to its stats (the log and the step-1 metrics record). `apply_passes` adds each
     pass's wall seconds on each stage (`pass_<dump label>_s`): the time to the first step, by pass."""
+    later_passes: tuple[str, ...] = ()
+    """The backend's passes this graph goes through after the activation passes, up to its lowering
+    (`graph_passes`): a pass that budgets memory applies them to a copy to see the step as the
+    compiler gets it (the collective schedule's buckets and prefetches)."""
 
 
 PassFn = Callable[[fx.GraphModule, PassContext], Any]
@@ -161,6 +166,11 @@ class Compiled:
     def __call__(self, *args: Any) -> Any:
         with torch.no_grad():
             return self.fn(list(args)) if self.boxed else self.fn(*args)
+
+
+def graph_passes(names: list[str]) -> list[str]:
+    """The leading passes of `names` that hand a graph on: those before the first that lowers or compiles."""
+    return list(itertools.takewhile(lambda name: not (PASSES[name].compiles or PASSES[name].lowers), names))
 
 
 def apply_passes(gm: fx.GraphModule, names: list[str], ctx: PassContext, stage: Stage) -> Any:
