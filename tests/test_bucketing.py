@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -283,6 +284,30 @@ def test_a_blocks_all_reduce_does_not_cut_its_reduce_scatter_short():
     place_per_block(buckets)
     for kind in ("reduce_scatter", "all_reduce"):
         assert [(b.issue, b.wait) for b in buckets if b.kind == kind] == [(100, 200), (200, 300), (300, 1000)], kind
+
+
+def test_a_reduction_outside_the_blocks_is_waited_for_when_the_model_expects_it_done():
+    """The output projection's gradient bucket, issued before the first backward block: waited for where the cost model
+    expects its reduce-scatter done, inside that block (its buffer is freed there, where the step peaks), not when the
+    block's own reduce-scatter is issued at the block's end; the blocks' reductions keep that rule (a wait that moves
+    inside a block makes it a piece of its own to compile)."""
+    from types import SimpleNamespace
+
+    from graph_trainer.passes.bucket_plan import Layout, _comm_time, place_per_block
+
+    step_s = 1e-5
+    lay = Layout(order=[None] * 1001, prefix=[i * step_s for i in range(1001)], stable=list(range(1001)))
+    model = CostModel(H100)
+
+    def bucket(ready: int, block: int | None) -> Bucket:
+        member = SimpleNamespace(kind="reduce_scatter", ready=ready, need=1000, nbytes=64 << 20, group_size=2, group_name="0")
+        return Bucket([member], block=block)
+
+    output, *blocks = [bucket(100, None), bucket(400, 15), bucket(700, 14)]
+    place_per_block([output, *blocks], 1, lay, model)
+    done = 100 + math.ceil(_comm_time(output, model) / step_s - 1e-9)
+    assert 100 < done < 400 and output.wait == done
+    assert [(b.issue, b.wait) for b in blocks] == [(400, 700), (700, 1000)]
 
 
 def test_in_graph_optimizer_gradients_are_bucketed_per_block(fake_pg):

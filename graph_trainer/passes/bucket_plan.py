@@ -23,6 +23,8 @@ class Bucket:
     members: list[Collective]
     issue: int = 0
     wait: int = 0
+    block: int | None = None
+    """The transformer block of a per-block bucket (`block_buckets`); None for others."""
 
     @property
     def kind(self) -> str:
@@ -141,13 +143,23 @@ def place(buckets: list[Bucket], lay: Layout, model: CostModel) -> None:
             if not in_flight or sum(g.nbytes for g in in_flight) + b.nbytes <= cap:
                 break
             b.issue = min(g.need for g in in_flight)
-    comm_free: dict[str, float] = {}
     end = len(lay.order) - 1
-    for b in sorted((b for b in buckets if b.kind in REDUCTIONS), key=lambda b: b.ready):
+    reductions = sorted((b for b in buckets if b.kind in REDUCTIONS), key=lambda b: b.ready)
+    for b in reductions:
         b.issue = b.ready
+    _wait_when_done(reductions, [min(end, b.need) for b in reductions], lay, model)
+
+
+def _wait_when_done(reductions: list[Bucket], latest: list[int], lay: Layout, model: CostModel,
+                    moves: Callable[[Bucket], bool] = lambda b: True) -> None:
+    """Wait for each reduction that `moves` (issued, in issue order) where the model expects it done, its
+    communicator running them one after another, and no later than `latest` (the others at `latest`): its
+    input buffer is freed as soon as that costs no stall."""
+    comm_free: dict[str, float] = {}
+    for b, last in zip(reductions, latest):
         channel = b.members[0].group_name
         comm_free[channel] = max(lay.prefix[b.issue], comm_free.get(channel, 0.0)) + _comm_time(b, model)
-        b.wait = lay.first_at_or_after(comm_free[channel], b.issue, min(end, b.need))
+        b.wait = lay.first_at_or_after(comm_free[channel], b.issue, last) if moves(b) else last
 
 
 def _comm_time(b: Bucket, model: CostModel) -> float:
@@ -252,26 +264,35 @@ def block_buckets(gm: fx.GraphModule, colls: list[Collective], fqns: list[str]) 
                 run += 1
             previous_block = block
             groups.setdefault((c.key, "block" if block is not None else "rest", block if block is not None else run), []).append(c)
-        buckets += [Bucket(members) for members in groups.values()]
+        buckets += [Bucket(members, block=where if part == "block" else None) for (_, part, where), members in groups.items()]
     return buckets
 
 
 PREFETCH_DEPTHS = (1, 2, 3)
 
 
-def place_per_block(buckets: list[Bucket], depth: int = 1) -> None:
+def place_per_block(buckets: list[Bucket], depth: int = 1, lay: Layout | None = None, model: CostModel | None = None) -> None:
+    """Each block's all-gather issued where the one `depth` blocks earlier is first used; each reduction issued when
+    its gradients exist and waited for by the next reduction of its kind (two in flight at most). Given the layout
+    and the model, a reduction outside the blocks is waited for where the model expects it done if that is earlier
+    (`_wait_when_done`): the output projection's fp32 gradient bucket (1.96 GiB at llama3 8B, dp_shard 2) was
+    otherwise in flight through the first block's backward, where the step peaks, and is 0.3 GiB off its measured
+    peak (bench/results/2026-11-30-session27). A block's own reductions stay where they were: waits at positions
+    that differ from block to block make blocks distinct pieces to compile (17 pieces for 16 layers against 12)."""
     gathers = sorted((b for b in buckets if b.kind == "all_gather"), key=lambda b: b.need)
     for k, b in enumerate(gathers):
         b.issue = max(b.ready, gathers[k - depth].need) if k >= depth else b.ready
         b.wait = b.need
-    # two reductions of a kind in flight at most; a block's all-reduce (its replicated parameters' gradients, issued
-    # beside its reduce-scatter) must not cut the reduce-scatter's overlap short: that left 28 ms of an auto-placed
+    # a block's all-reduce (its replicated parameters' gradients, issued beside its reduce-scatter) must not cut the
+    # reduce-scatter's overlap short: waited for at the next reduction of any kind, that left 28 ms of an auto-placed
     # 8B-16L step's reduce-scatters exposed on 2 H200s (bench/results/2026-11-30-session24)
     for kind in REDUCTIONS:
         reductions = sorted((b for b in buckets if b.kind == kind), key=lambda b: b.ready)
-        for k, b in enumerate(reductions):
-            b.issue = b.ready
-            b.wait = min(reductions[k + 1].ready, b.need) if k + 1 < len(reductions) else b.need
+        latest = [min(reductions[k + 1].ready, b.need) if k + 1 < len(reductions) else b.need for k, b in enumerate(reductions)]
+        for b, last in zip(reductions, latest):
+            b.issue, b.wait = b.ready, last
+        if lay is not None and model is not None:
+            _wait_when_done(reductions, latest, lay, model, lambda b: b.block is None)
 
 
 def gathered_in_flight(buckets: list[Bucket]) -> int:
@@ -286,7 +307,7 @@ def block_plans(gm: fx.GraphModule, colls: list[Collective], fqns: list[str], la
     plans = []
     for depth in PREFETCH_DEPTHS:
         buckets = block_buckets(gm, colls, fqns)
-        place_per_block(buckets, depth)
+        place_per_block(buckets, depth, lay, model)
         if depth > 1 and gathered_in_flight(buckets) > model.hw.max_in_flight_bytes:
             break
         plans.append(((round(estimate(buckets, lay, model).step_s, 9), depth), buckets))
