@@ -350,6 +350,24 @@ def test_budget_holds_once_the_collective_schedule_runs(fake_pg, budget):
     assert report["ac_scheduled_peak_gib"] == pytest.approx(peak, rel=1e-12) == report["ac_peak_gib"]
 
 
+def test_no_schedule_simulated_where_it_cannot_reach_the_budget(fake_pg):
+    """A budget above the policy's peak by more than the schedule can hold (its gathers in flight, two reductions of a
+    kind): the later passes are not run on a copy (the start-up time they cost), the plan is the one without them."""
+    from graph_trainer.passes.memory_policy import schedule_bound
+
+    gm, ctx = trace_llama()
+    gm = apply_passes(gm, ["reshard_after_forward"], ctx, "train_step")
+    high = (step_peak_bytes(gm, ctx) + schedule_bound(gm, ctx, CostModel.for_context(ctx))) / GiB
+    reports = []
+    for budget in (high + 0.001, high - 0.01):
+        gm, ctx = trace_llama("--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", f"{budget:.6f}GiB")
+        ctx = dataclasses.replace(ctx, later_passes=("transformer_block_bucketing",))
+        apply_passes(gm, ["reshard_after_forward", "memory_policy"], ctx, "train_step")
+        reports.append(ctx.report["memory_policy"])
+    assert "ac_scheduled_peak_gib" not in reports[0] and reports[0]["ac_recomputed_gib"] == 0
+    assert "ac_scheduled_peak_gib" in reports[1]
+
+
 @pytest.mark.slow
 def test_fsdp_memory_budget_losses_bitwise_equal_no_ac(tmp_path):
     """Two gloo ranks of dp_shard 2, everything recomputed and its parameters gathered again in backward:

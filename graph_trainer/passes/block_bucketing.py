@@ -5,8 +5,9 @@ the parameters auto placement keeps whole).
 A collective's block comes from its parameter's FQN (`...layers.<i>...`): the leading graph inputs
 are the parameters in `ctx.param_fqns` order, an all-gather belongs to the parameter it gathers and a
 gradient reduction to the output it produces (outputs are (loss, *grads)). Parameters outside
-the blocks (embedding, final norm, output projection) are bucketed by maximal runs in the order they
-are used, so they get their own buckets and never join a block's. A block used in both forward and
+the blocks (embedding, final norm, output projection) are gathered in buckets by maximal runs in the
+order they are used, so they never join a block's; their gradients are reduced one by one (a bucket
+would copy the output projection's fp32 gradient beside itself). A block used in both forward and
 backward (parameters gathered again for backward by reshard_after_forward or activation
 checkpointing) gets one all-gather bucket in each.
 
@@ -16,8 +17,9 @@ chosen by the cost model's simulated step time (on the link figures measured at 
 multi-GPU job, parallel/links.py), among the depths whose gathered bytes in flight stay within the
 hardware's `max_in_flight_bytes`, the smallest on ties (least memory). A block's gradient
 reduction is issued as soon as its last gradient exists and waited for when the next reduction of its kind is
-issued (at most two in flight), the last one at the end. `autoparallel_scheduling` plans a
-step of blocks the same way.
+issued (at most two in flight), the last one at the end; one outside the blocks is waited for where the cost model
+expects it done, and by the next block's at the latest (its buffer, 1.96 GiB fp32 for llama3 8B's output
+projection, is freed inside the first backward block). `autoparallel_scheduling` plans a step of blocks the same way.
 
 torch's `manual_overlap_bucketing` does the same from module FQNs, but finds a module's nodes through
 `nn_module_stack` metadata, which make_fx train-step graphs do not carry.

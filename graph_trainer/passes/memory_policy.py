@@ -78,6 +78,8 @@ from ..blocks import node_block
 from ..parallel import OP_SAC_SAVE_LIST, policy_name
 from ..units import GiB, fill_device, parse_memory_budget
 from .activations import Activations
+from .bucket_plan import block_buckets
+from .collectives import REDUCTIONS, find_collectives, forward_end
 from .cost_model import CostModel
 from .fusion import FUSING_BACKENDS, unmaterialized
 from .liveness import Profile, Simulator, Step, graph_schedule
@@ -305,18 +307,20 @@ def activation_budget(ctx: PassContext) -> float:
     return step_budget(ctx) - state_bytes(ctx)
 
 
-def compiler_fused(acts: Activations, ctx: PassContext) -> set[fx.Node]:
+def compiler_fused(gm: fx.GraphModule, ctx: PassContext) -> set[fx.Node]:
     """The values a whole-graph Inductor compile fuses away (`fusion`): within a block's forward, a
     block's backward, or the code outside the blocks (the loss's forward and backward run together);
     none under a backend that does not compile the whole graph."""
     if ctx.cfg.compile.inductor_compilation not in FUSING_BACKENDS:
         return set()
+    order = list(gm.graph.nodes)
+    backward = {n for n in order[forward_end(gm) + 1:] if n.op == "call_function"}
 
     def piece(node: fx.Node) -> Hashable:
         block = node_block(node)
-        return None if block is None else (block, acts.is_backward(node))
+        return None if block is None else (block, node in backward)
 
-    return unmaterialized(acts.order, piece)
+    return unmaterialized(order, piece)
 
 
 def _rewrite(gm: fx.GraphModule, acts: Activations, policy: Policy, cost: CostModel) -> None:
@@ -346,7 +350,7 @@ def _copy(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
 
 def _profile(gm: fx.GraphModule, ctx: PassContext) -> Profile:
     """The simulated liveness of `gm`'s values as the graph stands, in its order."""
-    return Simulator(compiler_fused(Activations.of_step(gm, ctx), ctx))(graph_schedule(gm.graph.nodes))
+    return Simulator(compiler_fused(gm, ctx))(graph_schedule(gm.graph.nodes))
 
 
 def scheduled_peak(gm: fx.GraphModule, policy: Policy, ctx: PassContext, cost: CostModel) -> tuple[int, dict[fx.Node, int]]:
@@ -368,6 +372,18 @@ def scheduled_peak(gm: fx.GraphModule, policy: Policy, ctx: PassContext, cost: C
     return persistent_bytes(copy, ctx) + after.peak, extra
 
 
+def schedule_bound(gm: fx.GraphModule, ctx: PassContext, cost: CostModel) -> int:
+    """The most a collective schedule holds beyond the graph's own values: the gathered bytes it lets be in flight
+    (`max_in_flight_bytes`), and two reductions of each kind in flight, each at most a block's gradients, a gradient
+    outside the blocks (`block_buckets`, the default schedule's) or a size-capped bucket (`max_bucket_bytes`)."""
+    buckets = block_buckets(gm, find_collectives(gm), list(ctx.param_fqns[: ctx.num_params]))
+    largest: dict[str, int] = {}
+    for b in buckets:
+        if b.kind in REDUCTIONS:
+            largest[b.kind] = max(largest.get(b.kind, cost.hw.max_bucket_bytes), b.nbytes)
+    return cost.hw.max_in_flight_bytes + 2 * sum(largest.values())
+
+
 def _budget_policy(gm: fx.GraphModule, acts: Activations, ctx: PassContext, cost: CostModel, budget: float,
                    persistent: int, fused: set[fx.Node]) -> tuple[Policy, int | None]:
     """The budget policy, and the step's scheduled peak with it (None without later passes). The
@@ -382,7 +398,9 @@ def _budget_policy(gm: fx.GraphModule, acts: Activations, ctx: PassContext, cost
     best: tuple[int, Policy] | None = None
     for _ in range(SCHEDULE_ROUNDS):
         policy = plan_memory_budget(acts, budget - persistent, cost.node_time, offload, fused, extra)
-        if not ctx.later_passes:
+        # the copy, its schedule and their simulations cost 1-2 s on llama3 8B cut to 16 layers: not paid where
+        # nothing the schedule can hold would reach the budget (a budget that fills the device, most often)
+        if not ctx.later_passes or best is None and persistent + policy.peak_bytes + schedule_bound(gm, ctx, cost) <= budget:
             return policy, None
         peak, extra = scheduled_peak(gm, policy, ctx, cost)
         if best is None or peak < best[0]:
@@ -399,7 +417,7 @@ def _train_step(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cost = CostModel.for_context(ctx)
     persistent = persistent_bytes(gm, ctx)
     budget = step_budget(ctx) if name == "memory_budget" else None
-    fused = compiler_fused(acts, ctx)
+    fused = compiler_fused(gm, ctx)
     scheduled = None
     if budget is not None:
         policy, scheduled = _budget_policy(gm, acts, ctx, cost, budget, persistent, fused)
