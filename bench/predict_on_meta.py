@@ -13,16 +13,22 @@ is `--training.batch_size` over the data-parallel degrees, as in a run.
 
 The 8B dp_shard 8 step traces and prices in about 10 s on a 2-core machine. Parameters are bf16
 (the GPU's mixed precision); the attention is the CPU's SDPA kernel, priced as the GPU's (same FLOPs).
+
+`--trace ENTRY` takes the step as a GPU job traced it instead (its trace cache's entry,
+`<dump folder>/compile_cache/traces/<key>.bin`, the job's own flags beside it): the GPU's attention kernels and the
+values they save, so the passes decide what that job decided (session 27 replayed a 2-GPU job's memory policy so).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from graph_trainer import defaults, models
+from graph_trainer import defaults, graph_pickle, models
+from graph_trainer.compile_cache import CompileCache
 from graph_trainer.backends import get_backend
 from graph_trainer.blocks import annotate_blocks
 from graph_trainer.capture.fx_trace import trace_train_step
@@ -45,6 +51,10 @@ TORCHTITAN_BETAS = (0.9, 0.95)
 
 
 def main(argv: list[str]) -> None:
+    entry = None
+    if "--trace" in argv:
+        at = argv.index("--trace")
+        entry, argv = Path(argv[at + 1]), argv[:at] + argv[at + 2:]
     cfg = parse_args(argv)
     p, t = cfg.parallelism, cfg.training
     world = p.dp_replicate * p.dp_shard * p.tp
@@ -68,7 +78,10 @@ def main(argv: list[str]) -> None:
         scalars = [torch.zeros((), dtype=torch.float64, device="meta") for _ in ("lr", "step")]
         extra = [torch.zeros_like(q) for q in params] * 2 + scalars
     start = time.perf_counter()
-    gm = trace_train_step(step, params, buffers, tokens, tokens, torch.device("cpu"), extra)
+    if entry is None:
+        gm = trace_train_step(step, params, buffers, tokens, tokens, torch.device("cpu"), extra)
+    else:
+        gm = graph_pickle.loads(CompileCache(entry.parent).read(entry.stem))
     scheduling = graph_passes(get_backend(cfg.compile.inductor_compilation).pass_names(cfg.compile.passes))
     ctx = PassContext(cfg=cfg, meshes=meshes, device=torch.device("cuda"), num_params=len(params),
                       num_buffers=len(buffers), param_fqns=[s.fqn for s in step.specs], later_passes=tuple(scheduling))
