@@ -259,16 +259,25 @@ def test_block_of():
 def test_transformer_block_bucketing_one_bucket_per_block(fake_pg):
     gm, ctx = trace_llama("--parallelism.reshard_after_forward", "never")
     gm = apply_passes(gm, ["reshard_after_forward", "transformer_block_bucketing"], ctx, "train_step")
-    # 6 blocks; non-block parameters: [tok_embeddings] before the blocks, [norm, output] after them, whose gradient
-    # reductions are buckets of one each (the output projection's is not copied into a bucket).
-    assert counts(gm) == {"all_gather": LAYERS + 2, "reduce_scatter": LAYERS + 3}
+    # 6 blocks; non-block parameters: [tok_embeddings] before the blocks, [norm, output] after them.
+    assert counts(gm) == {"all_gather": LAYERS + 2, "reduce_scatter": LAYERS + 2}
     assert sorted(bucket_sizes(gm, ALL_GATHER)) == [1, 2, *[9] * LAYERS]
-    assert sorted(bucket_sizes(gm, REDUCE_SCATTER)) == [1, 1, 1, *[9] * LAYERS]
+    assert sorted(bucket_sizes(gm, REDUCE_SCATTER)) == [1, 2, *[9] * LAYERS]
     # prefetch: block i+1's gather is issued before block i's gather is waited for
     order = list(gm.graph.nodes)
     starts = [i for i, n in enumerate(order) if n.target is ALL_GATHER]
     waits = [i for i, n in enumerate(order) if n.target is WAIT and n.args[0].target is ALL_GATHER]
     assert all(start_next < wait for start_next, wait in zip(starts[1:], waits))
+
+
+def test_under_a_memory_budget_reductions_outside_the_blocks_are_buckets_of_one(fake_pg):
+    """Where the step runs under a memory budget, the final norm's and the output projection's gradients are reduced
+    apart: in one bucket, the output projection's fp32 gradient is copied beside itself (the 8B step's peak). Without
+    a budget they share a bucket (fewer distinct pieces to compile: the test above)."""
+    gm, ctx = trace_llama("--parallelism.reshard_after_forward", "never", "--activation_checkpoint.mode", "memory_budget")
+    gm = apply_passes(gm, ["reshard_after_forward", "transformer_block_bucketing"], ctx, "train_step")
+    assert counts(gm) == {"all_gather": LAYERS + 2, "reduce_scatter": LAYERS + 3}
+    assert sorted(bucket_sizes(gm, REDUCE_SCATTER)) == [1, 1, 1, *[9] * LAYERS]
 
 
 def test_a_blocks_all_reduce_does_not_cut_its_reduce_scatter_short():
@@ -288,10 +297,11 @@ def test_a_blocks_all_reduce_does_not_cut_its_reduce_scatter_short():
 
 
 def test_a_reduction_outside_the_blocks_is_waited_for_when_the_model_expects_it_done():
-    """The output projection's gradient bucket, issued before the first backward block: waited for where the cost model
-    expects its reduce-scatter done, inside that block (its buffer is freed there, where the step peaks), not when the
-    block's own reduce-scatter is issued at the block's end; the blocks' reductions keep that rule (a wait that moves
-    inside a block makes it a piece of its own to compile)."""
+    """Given the model (under a memory budget: `bucket_plan.frees_early`), the output projection's gradient bucket,
+    issued before the first backward block, is waited for where the cost model expects its reduce-scatter done, inside
+    that block (its buffer is freed there, where the step peaks), not when the block's own reduce-scatter is issued at
+    the block's end; the blocks' reductions keep that rule (a wait that moves inside a block makes it a piece of its
+    own to compile)."""
     from types import SimpleNamespace
 
     from graph_trainer.passes.bucket_plan import Layout, _comm_time, place_per_block
@@ -318,12 +328,12 @@ def test_in_graph_optimizer_gradients_are_bucketed_per_block(fake_pg):
     gm, ctx = trace_llama("--parallelism.reshard_after_forward", "never", optimizer_in_graph=True)
     assert counts(gm)["reduce_scatter"] == len(ctx.param_fqns)
     gm = apply_passes(gm, ["reshard_after_forward", "transformer_block_bucketing"], ctx, "train_step")
-    assert counts(gm) == {"all_gather": LAYERS + 2, "reduce_scatter": LAYERS + 3, "all_reduce": 1}
-    assert sorted(bucket_sizes(gm, REDUCE_SCATTER)) == [1, 1, 1, *[9] * LAYERS]
+    assert counts(gm) == {"all_gather": LAYERS + 2, "reduce_scatter": LAYERS + 2, "all_reduce": 1}
+    assert sorted(bucket_sizes(gm, REDUCE_SCATTER)) == [1, 2, *[9] * LAYERS]
     order = list(gm.graph.nodes)
     norm = next(i for i, n in enumerate(order) if "norm" in str(n.target) and "foreach" in str(n.target))
     waits = [i for i, n in enumerate(order) if n.target is WAIT and n.args[0].target is REDUCE_SCATTER]
-    assert len(waits) == LAYERS + 3 and max(waits) < norm
+    assert len(waits) == LAYERS + 2 and max(waits) < norm
 
 
 def _gathered_alive_across_loss(gm: fx.GraphModule) -> int:
@@ -365,7 +375,7 @@ def test_reshard_then_block_bucketing_buckets_backward_gathers_per_block(fake_pg
     gm, ctx = trace_llama("--parallelism.reshard_after_forward", "always")
     gm = apply_passes(gm, ["reshard_after_forward", "transformer_block_bucketing"], ctx, "train_step")
     # forward: 6 blocks + [tok_embeddings] + [norm, output]; backward: 6 blocks + [norm, output]
-    assert counts(gm) == {"all_gather": 2 * LAYERS + 3, "reduce_scatter": LAYERS + 3}
+    assert counts(gm) == {"all_gather": 2 * LAYERS + 3, "reduce_scatter": LAYERS + 2}
     assert _gathered_alive_across_loss(gm) == 0
 
 
@@ -411,22 +421,22 @@ def test_reshard_and_block_bucketing_train_bitwise_like_unbucketed():
     base = cached_run(RUN, 2)
     folder = cached_run((*RUN, "--parallelism.reshard_after_forward", "always", "--compile.passes", "transformer_block_bucketing"), 2)
     got = _stage(folder, "transformer_block_bucketing")["collectives"]
-    assert {k: v["count"] for k, v in got.items()} == {"all_gather": 2 * LAYERS + 3, "reduce_scatter": LAYERS + 3}
+    assert {k: v["count"] for k, v in got.items()} == {"all_gather": 2 * LAYERS + 3, "reduce_scatter": LAYERS + 2}
     ref, run = read_metrics(base), read_metrics(folder)
     assert losses(run) == losses(ref) and grad_norms(run) == grad_norms(ref)
 
 
 def test_replicated_gradients_all_reduced_per_block_bitwise():
     """Data parallelism without sharding (dp_replicate 2): every gradient is all-reduced, one collective per
-    parameter as traced; the block schedule reduces them in one all-reduce per block (as the solver prices a
-    replicated parameter's gradient: one latency per block), and the parameters outside the blocks (norm, output,
-    tok_embeddings) one each. Two ranks sum each element in one addition, however the ring splits the buffer: bitwise."""
+    parameter as traced; the block schedule reduces them in one all-reduce per block, [norm, output] and
+    [tok_embeddings] their own (as the solver prices a replicated parameter's gradient: one latency per
+    block). Two ranks sum each element in one addition, however the ring splits the buffer: bitwise."""
     ddp = (*RUN, "--parallelism.dp_shard", "1", "--parallelism.dp_replicate", "2")
     base = cached_run((*ddp, "--compile.passes", "none"), 2)
     folder = cached_run((*ddp, "--compile.passes", "transformer_block_bucketing"), 2)
     assert {k: v["count"] for k, v in _stage(base, "traced")["collectives"].items()} == {"all_reduce": PARAMS}
     got = _stage(folder, "transformer_block_bucketing")["collectives"]
-    assert {k: (v["count"], v["buckets"]) for k, v in got.items()} == {"all_reduce": (LAYERS + 3, LAYERS)}
+    assert {k: (v["count"], v["buckets"]) for k, v in got.items()} == {"all_reduce": (LAYERS + 2, LAYERS + 1)}
     ref, run = read_metrics(base), read_metrics(folder)
     assert len(run) == 3 and losses(run) == losses(ref) and grad_norms(run) == grad_norms(ref)
 
@@ -464,9 +474,9 @@ def test_default_schedule_on_four_ranks_buckets_per_block_on_its_own_group_bitwi
     assert stages == ["traced", "reshard_after_forward", "recompute_pointwise", "separate_gather_group", "transformer_block_bucketing"]
     got = _stage(folder, "transformer_block_bucketing")["collectives"]
     # all-gathers: forward [tok_embeddings], 4 blocks, [norm, output]; backward gathers again the 4 blocks
-    # reshard_after_forward freed. Reduce-scatters: 4 blocks, and tok_embeddings, norm and output one each.
+    # reshard_after_forward freed. Reduce-scatters: 4 blocks, [tok_embeddings], [norm, output].
     assert (got["all_gather"]["count"], got["all_gather"]["buckets"]) == (10, 9)
-    assert (got["reduce_scatter"]["count"], got["reduce_scatter"]["buckets"]) == (7, 4)
+    assert (got["reduce_scatter"]["count"], got["reduce_scatter"]["buckets"]) == (6, 5)
     calls = _calls(next((folder / "graphs").glob("*_transformer_block_bucketing.py")).read_text())
     gather_groups = {g for op, _, g in calls if op == "all_gather_into_tensor"}
     scatter_groups = {g for op, _, g in calls if op == "reduce_scatter_tensor"}

@@ -8,11 +8,12 @@ import bisect
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from torch import fx
 
 from ..graph_dump import collective_kind
+from ..parallel import policy_name
 from .bucketing_compat import WAIT
 from .collectives import ORDER_BY, REDUCTIONS, Collective, find_collectives
 from .cost_model import CostModel, Timeline, Transfer, prefix_times, simulate
@@ -250,11 +251,20 @@ def _param_index(c: Collective, placeholders: dict[fx.Node, int], num_params: in
     return index if index is not None and 0 <= index < num_params else None
 
 
-def block_buckets(gm: fx.GraphModule, colls: list[Collective], fqns: list[str]) -> list[Bucket]:
-    """Collectives grouped by (kind, block or run of non-block parameters, collective key); a gradient reduction
-    outside the blocks is a bucket of its own: bucketed with the final norm's, the output projection's fp32 gradient
-    was copied into the bucket beside itself (2 x 1.96 GiB at llama3 8B, dp_shard 2: the step's peak once the
-    reduction is waited for inside the first backward block, bench/results/2026-11-30-session27)."""
+def frees_early(cfg: Any) -> bool:
+    """Whether the per-block plan frees the gradient buffers outside the blocks early (`block_buckets`' `alone`,
+    `place_per_block` given the model): under a memory budget (`--activation_checkpoint.mode memory_budget`), where
+    the memory it saves is recomputation the policy avoids (0.7 GiB of the peak at llama3 8B cut to 16 layers, dp_shard
+    2, bench/results/2026-11-30-session27). Elsewhere it would only add distinct pieces to compile, waits and
+    reductions inside the first backward block and the loss's piece (llama3 1B at dp_shard 2: 14 against 10)."""
+    return policy_name(cfg) == "memory_budget"
+
+
+def block_buckets(gm: fx.GraphModule, colls: list[Collective], fqns: list[str], alone: bool = False) -> list[Bucket]:
+    """Collectives grouped by (kind, block or run of non-block parameters, collective key); with `alone`, a gradient
+    reduction outside the blocks is a bucket of its own: bucketed with the final norm's, the output projection's fp32
+    gradient is copied into the bucket beside itself (2 x 1.96 GiB at llama3 8B, dp_shard 2: the step's peak once
+    the reduction is waited for inside the first backward block)."""
     placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     buckets: list[Bucket] = []
     for kind, order_by in ORDER_BY.items():
@@ -266,7 +276,7 @@ def block_buckets(gm: fx.GraphModule, colls: list[Collective], fqns: list[str]) 
             if block is None and previous_block is not None:
                 run += 1
             previous_block = block
-            where = block if block is not None else (run, id(c)) if kind in REDUCTIONS else run
+            where = block if block is not None else (run, id(c)) if alone and kind in REDUCTIONS else run
             groups.setdefault((c.key, "block" if block is not None else "rest", where), []).append(c)
         buckets += [Bucket(members, block=where if part == "block" else None) for (_, part, where), members in groups.items()]
     return buckets
@@ -277,13 +287,13 @@ PREFETCH_DEPTHS = (1, 2, 3)
 
 def place_per_block(buckets: list[Bucket], depth: int = 1, lay: Layout | None = None, model: CostModel | None = None) -> None:
     """Each block's all-gather issued where the one `depth` blocks earlier is first used; each reduction issued when
-    its gradients exist and waited for by the next reduction of its kind (two in flight at most). Given the layout
-    and the model, a reduction outside the blocks is waited for where the model expects it done if that is earlier
-    (`_wait_when_done`): the output projection's fp32 gradient bucket (1.96 GiB at llama3 8B, dp_shard 2) was
-    otherwise in flight through the first block's backward, where the step peaks, and is 0.3 GiB off its measured
-    peak (bench/results/2026-11-30-session27). A block's own reductions stay where they were: waits at positions
-    that differ from block to block make blocks distinct pieces to compile (17 for 16 layers, against 14 with only the
-    reductions outside the blocks moved and 12 with none)."""
+    its gradients exist and waited for by the next reduction of its kind (two in flight at most; one outside the
+    blocks by the next block's). Given the layout and the model, a reduction outside the blocks is waited for where
+    the model expects it done if that is earlier (`_wait_when_done`): the output projection's fp32 gradient bucket
+    (1.96 GiB at llama3 8B, dp_shard 2) was otherwise in flight through the first block's backward, where the step
+    peaks (0.3 GiB off its measured peak, bench/results/2026-11-30-session27). A block's own reductions stay where
+    they were: waits at positions that differ from block to block make blocks distinct pieces to compile (17 for 16
+    layers, against 14 with only the reductions outside the blocks moved and 12 with none)."""
     gathers = sorted((b for b in buckets if b.kind == "all_gather"), key=lambda b: b.need)
     for k, b in enumerate(gathers):
         b.issue = max(b.ready, gathers[k - depth].need) if k >= depth else b.ready
@@ -310,12 +320,13 @@ def gathered_in_flight(buckets: list[Bucket]) -> int:
 
 
 def block_plans(gm: fx.GraphModule, colls: list[Collective], fqns: list[str], lay: Layout,
-                model: CostModel) -> list[tuple[tuple[float, int], list[Bucket]]]:
-    """The per-block plan at each prefetch depth that fits in flight, scored (step seconds, depth)."""
+                model: CostModel, free_early: bool = False) -> list[tuple[tuple[float, int], list[Bucket]]]:
+    """The per-block plan at each prefetch depth that fits in flight, scored (step seconds, depth); `free_early`:
+    see `frees_early`."""
     plans = []
     for depth in PREFETCH_DEPTHS:
-        buckets = block_buckets(gm, colls, fqns)
-        place_per_block(buckets, depth, lay, model)
+        buckets = block_buckets(gm, colls, fqns, alone=free_early)
+        place_per_block(buckets, depth, *((lay, model) if free_early else ()))
         if depth > 1 and gathered_in_flight(buckets) > model.hw.max_in_flight_bytes:
             break
         plans.append(((round(estimate(buckets, lay, model).step_s, 9), depth), buckets))

@@ -23,7 +23,7 @@ from torch import fx
 
 from ..config import ConfigError
 from .bucket_merge import rewrite
-from .bucket_plan import Bucket, Layout, block_of, block_plans, choose_buckets, estimate, layout, saturating_plan
+from .bucket_plan import Bucket, Layout, block_of, block_plans, choose_buckets, estimate, frees_early, layout, saturating_plan
 from .bucketing_compat import META_AUTOPARALLEL_INSTALL, meta_autobucketing
 from .collectives import KINDS, find_collectives
 from .cost_model import CostModel
@@ -89,7 +89,7 @@ def autoparallel_scheduling(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
     lay = layout(gm, colls, model)
     fqns = list(ctx.param_fqns[: ctx.num_params])
     if ctx.stage == "train_step" and any(block_of(f) is not None for f in fqns):
-        _, buckets = min(block_plans(gm, colls, fqns, lay, model), key=lambda p: p[0])
+        _, buckets = min(block_plans(gm, colls, fqns, lay, model, frees_early(ctx.cfg)), key=lambda p: p[0])
     else:
         buckets = choose_buckets(colls, lay, model)
     return schedule(gm, buckets, lay, model, "autoparallel_scheduling")

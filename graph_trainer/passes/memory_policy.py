@@ -376,7 +376,7 @@ def schedule_bound(gm: fx.GraphModule, ctx: PassContext, cost: CostModel) -> int
     """The most a collective schedule holds beyond the graph's own values: the gathered bytes it lets be in flight
     (`max_in_flight_bytes`), and two reductions of each kind in flight, each at most a block's gradients, a gradient
     outside the blocks (`block_buckets`, the default schedule's) or a size-capped bucket (`max_bucket_bytes`)."""
-    buckets = block_buckets(gm, find_collectives(gm), list(ctx.param_fqns[: ctx.num_params]))
+    buckets = block_buckets(gm, find_collectives(gm), list(ctx.param_fqns[: ctx.num_params]), alone=True)
     largest: dict[str, int] = {}
     for b in buckets:
         if b.kind in REDUCTIONS:
