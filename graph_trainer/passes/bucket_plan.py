@@ -256,7 +256,8 @@ def frees_early(cfg: Any) -> bool:
     `place_per_block` given the model): under a memory budget (`--activation_checkpoint.mode memory_budget`), where
     the memory it saves is recomputation the policy avoids (0.7 GiB of the peak at llama3 8B cut to 16 layers, dp_shard
     2, bench/results/2026-11-30-session27). Elsewhere it would only add distinct pieces to compile, waits and
-    reductions inside the first backward block and the loss's piece (llama3 1B at dp_shard 2: 14 against 10)."""
+    reductions inside the first backward block and the loss's piece (llama3 1B at dp_shard 2, traced on a CPU: 14
+    against 10)."""
     return policy_name(cfg) == "memory_budget"
 
 
