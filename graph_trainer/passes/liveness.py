@@ -90,6 +90,7 @@ class Simulator:
     def __init__(self, fused: Collection[fx.Node] = frozenset(), extra: Mapping[Hashable, int] | None = None) -> None:
         self._shares: dict[fx.Node, fx.Node | None] = {}
         self._bytes: dict[fx.Node, int] = {}
+        self._issues: dict[fx.Node, bool] = {}
         self.fused = fused
         self.extra = extra or {}
 
@@ -99,6 +100,7 @@ class Simulator:
             alias = alias_of(node)
             self._shares[node] = None if alias is None or _owns_item(node) else alias
             self._bytes[node] = allocated_bytes(node)
+            self._issues[node] = node.target is not WAIT and is_collective(node)
         return self._shares[node]
 
     def __call__(self, schedule: Sequence[Step]) -> Profile:
@@ -132,12 +134,12 @@ class Simulator:
                     last[storage] = reader_end
             if node.op == "output":
                 continue
-            if node.target is WAIT:
+            shared = self._shared(node)
+            if self._issues[node]:
+                in_flight[key] = frozenset(s for read in inputs.values() for s in storages(read))
+            elif node.target is WAIT:
                 for storage in in_flight.pop(inputs.get(node.args[0]), ()):
                     last[storage] = i
-            elif is_collective(node):
-                in_flight[key] = frozenset(s for read in inputs.values() for s in storages(read))
-            shared = self._shared(node)
             if node in self.fused:
                 owner[key] = None
                 through[key] = frozenset(s for read in inputs.values() for s in storages(read))

@@ -354,7 +354,7 @@ def _profile(gm: fx.GraphModule, ctx: PassContext) -> Profile:
 
 
 def scheduled_peak(gm: fx.GraphModule, policy: Policy, ctx: PassContext, cost: CostModel) -> tuple[int, dict[fx.Node, int]]:
-    """The step's simulated peak with `policy` applied and the backend's later passes run
+    """The simulated peak of the step's own values with `policy` applied and the backend's later passes run
     (`ctx.later_passes`: the collective schedule's buckets in flight, its prefetched gathers), on a copy;
     and what those passes hold beyond the rewritten graph's values, by node of `gm` (bytes live as
     each op runs, after the passes less before them): the `extra` of the policy's next simulation."""
@@ -368,7 +368,7 @@ def scheduled_peak(gm: fx.GraphModule, policy: Policy, ctx: PassContext, cost: C
     after = _profile(copy, ctx)
     origin = {c: n for n, c in copies.items()}
     extra = {origin[c]: live - before[c] for c, live in zip(copy.graph.nodes, after.curve) if c in before and c in origin}
-    return persistent_bytes(copy, ctx) + after.peak, extra
+    return after.peak, extra
 
 
 def schedule_bound(gm: fx.GraphModule, ctx: PassContext, cost: CostModel) -> int:
@@ -402,7 +402,8 @@ def _budget_policy(gm: fx.GraphModule, acts: Activations, ctx: PassContext, cost
         # device, most often)
         if not ctx.later_passes or best is None and persistent + policy.peak_bytes + schedule_bound(gm, ctx, cost) <= budget:
             return policy, None
-        peak, extra = scheduled_peak(gm, policy, ctx, cost)
+        values, extra = scheduled_peak(gm, policy, ctx, cost)
+        peak = persistent + values
         if best is None or peak < best[0]:
             best = (peak, policy)
         if peak <= budget:
