@@ -56,7 +56,7 @@ def _job(fn, *inputs: torch.Tensor) -> compile_workers.Job:
     gm = fx.symbolic_trace(fn)
     for node, x in zip(gm.graph.find_nodes(op="placeholder"), inputs):
         node.meta["val"] = x
-    return compile_workers.Job("k" + "0" * 63, {}, gm)
+    return compile_workers.Job("k" + "0" * 63, {}, gm, None)
 
 
 def test_a_piece_a_worker_cannot_compile_and_a_dead_worker_are_reported_not_raised(tmp_path):
@@ -65,11 +65,11 @@ def test_a_piece_a_worker_cannot_compile_and_a_dead_worker_are_reported_not_rais
     try:
         x = torch.randn(4)
         # an op the worker's process does not register: it answers with the error and takes the next job
-        outcomes = workers.compile([_job(lambda x: torch.ops.gt_test.unknown_to_workers(x), x)], cache, None)
+        outcomes = workers.compile([_job(lambda x: torch.ops.gt_test.unknown_to_workers(x), x)], cache)
         assert "unknown_to_workers" in outcomes["k" + "0" * 63]
         workers.procs[0].kill()
         workers.procs[0].wait()
-        outcomes = workers.compile([_job(lambda x: x + 1, x)], cache, None)
+        outcomes = workers.compile([_job(lambda x: x + 1, x)], cache)
         assert outcomes["k" + "0" * 63].startswith("the worker exited")
     finally:
         workers.close()
@@ -84,10 +84,10 @@ def test_kept_workers_compile_a_second_batch(tmp_path):
     cache = CompileCache(tmp_path)
     x = torch.randn(4)
     try:
-        first = workers.compile([_job(lambda x: x + 1, x)], cache, None)
+        first = workers.compile([_job(lambda x: x + 1, x)], cache)
         job = _job(lambda x: x * 3, x)
         job.key = "j" + "0" * 63
-        second = workers.compile([job], cache, None)
+        second = workers.compile([job], cache)
     finally:
         workers.close()
     assert (first, second) == ({"k" + "0" * 63: ""}, {"j" + "0" * 63: ""})
@@ -130,7 +130,7 @@ class _Failing:
     def __init__(self, why: str):
         self.why = why
 
-    def compile(self, jobs, cache, options, on_stored=None):
+    def compile(self, jobs, cache, on_stored=None):
         return {job.key: self.why for job in jobs} if self.why else {}
 
     def close(self):
@@ -204,14 +204,16 @@ def test_jobs_go_out_heaviest_first_by_what_they_take_to_compile(tmp_path, caplo
     embedding.key = "e" + embedding.key[1:]
     try:
         with caplog.at_level(logging.INFO, logger="graph_trainer"):
-            outcomes = workers.compile([adds, embedding], CompileCache(tmp_path), None)
+            outcomes = workers.compile([adds, embedding], CompileCache(tmp_path))
         # stopped as soon as no job was left for it, before `close`
         assert workers.procs[0].wait(30) is not None
     finally:
         workers.close()
     assert outcomes == {adds.key: "", embedding.key: ""}
-    done = [r.getMessage().split(" nodes in")[0] for r in caplog.records if r.getMessage().startswith("compile workers: piece")]
-    assert done == [f"compile workers: piece of {len(job.piece.graph.nodes)}" for job in (embedding, adds)]
+    # each named by its largest input, in the order compiled
+    done = [r.getMessage().split(") in ")[0] for r in caplog.records if r.getMessage().startswith("compile workers: piece")]
+    assert done == [f"compile workers: piece of {len(job.piece.graph.nodes)} nodes (largest input {largest}"
+                    for job, largest in ((embedding, "float32[4, 8]"), (adds, "float32[4]"))]
     assert len(embedding.piece.graph.nodes) < len(adds.piece.graph.nodes)
 
 

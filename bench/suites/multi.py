@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from runs import FULL, FX, TRACE, Run, gt, titan
+from runs import FULL, FX, REPO, TRACE, Run, gt, titan
+
+FUSED_LOSS = ["--training.loss", "fused_linear_ce"]
+IN_GRAPH_OPTIMIZER = ["--compile.optimizer_in_graph"]
 
 # NCCL prints, per collective, the algorithm and protocol it chose (rank 0 of each communicator); bench/logs.py
 # reads them from the output
@@ -121,13 +124,23 @@ MULTI_CONFIGS = {
 
 
 def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
-    base = ["--model.name", c.model, "--model.flavor", c.flavor, "--training.seq_len", str(c.seq),
-            "--training.batch_size", str(c.local_batch * c.dp_shard), "--training.steps", str(steps),
-            "--training.random_tokens", "--training.no-deterministic", "--metrics.log_freq", "1",
-            *(["--model.n_layers", str(c.layers)] if c.layers else []), *c.gt_flags(), *c.ac_flags()]
+    job = ["--model.name", c.model, "--model.flavor", c.flavor, "--training.seq_len", str(c.seq),
+           "--training.batch_size", str(c.local_batch * c.dp_shard), "--training.steps", str(steps),
+           "--training.random_tokens", "--training.no-deterministic", "--metrics.log_freq", "1",
+           *(["--model.n_layers", str(c.layers)] if c.layers else []), *c.gt_flags()]
+    base = job + c.ac_flags()
 
     def ours(name: str, group: str, extra: list[str], profile: bool = False) -> Run:
         return gt(name, group, base, extra, nproc=c.ranks, env=dict(NCCL_TUNING_LOG), profile=profile)
+
+    # the production config of the model as shipped (its activation checkpointing: the memory policy filling the
+    # device for llama3; the in-graph optimizer), on this config's model, mesh and tokens
+    production = REPO / "configs" / f"{c.model}_{c.flavor.lower()}.toml"
+    shipped = [gt("gt production config", c.group, job, ["--config", str(production.relative_to(REPO))], nproc=c.ranks,
+                  env=dict(NCCL_TUNING_LOG), profile=True)] if production.exists() and c.pp == 1 else []
+    # the fused loss needs the whole vocabulary on the rank (not under tp)
+    shipped += [replace(shipped[0], name="gt production config fused loss", args=shipped[0].args + FUSED_LOSS)
+                ] if shipped and c.tp == 1 else []
 
     def theirs(name: str, group: str, extra: list[str], profile: bool = False) -> Run:
         run = titan(name, group, c.titan_flavor, c.local_batch, c.seq, steps, c.ranks, c.titan_flags() + c.ac_flags() + extra,
@@ -183,8 +196,12 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
         ours("gt full no recompute_pointwise", c.group, FULL + ["--activation_checkpoint.recompute_pointwise", "false"]),
         *[ours(f"gt full memory_budget {b}{name}", c.group, FULL + ["--activation_checkpoint.mode", "memory_budget",
                                                                     "--activation_checkpoint.memory_budget", b] + loss, profile=True)
-          for b in c.memory_budgets for name, loss in (("", []), (" fused loss", ["--training.loss", "fused_linear_ce"]))],
+          for b in c.memory_budgets for name, loss in (("", []), (" fused loss", FUSED_LOSS),
+                                                       (" fused loss optimizer_in_graph", FUSED_LOSS + IN_GRAPH_OPTIMIZER))],
+        # the clip and AdamW update compiled into the step, against torch's fused AdamW after it
+        ours("gt full optimizer_in_graph", c.group, FULL + IN_GRAPH_OPTIMIZER, profile=True),
         *capacity,
+        *shipped,
         # the token embedding gathered as every parameter is (SimpleFSDP), where auto reads it in place (GPU, dp_shard
         # alone: parallel/vocab_embedding.py)
         *([ours("gt full embedding gather", c.group, FULL + ["--parallelism.embedding", "gather"], profile=True)]

@@ -12,7 +12,7 @@ worker's imports and warm-up took 14-18 s on one H200, longer than the rank's tr
 step is traced (the backend's `prepare` calls `start`); where it was not traced (its trace was loaded) but two
 or more pieces still miss the cache, the pass starts them itself. A job is one piece as bytes
 (graph_pickle.py) with only its inputs' values (`_sendable`), its compile-cache key, taken by the pass before
-the decomposition (`inductor.PieceEntry`), the job's Inductor options and configuration, and the process
+the decomposition (`inductor.PieceEntry`), the piece's Inductor options, the job's Inductor configuration, and the process
 groups its collectives name (the worker registers groups of the same ranks under the same names on the fake
 process group: Inductor resolves them while it compiles). The worker (compile_worker_process.py) decomposes
 the piece, compiles it with the pass's own functions (`inductor.decompose`, `inductor.compile_graph`) and
@@ -87,6 +87,16 @@ def _weight(piece: fx.GraphModule) -> int:
     return sum(SLOW_TO_COMPILE.get(node.target, 1) for node in piece.graph.nodes)
 
 
+def _largest_input(piece: fx.GraphModule) -> str:
+    """Its largest input, as the log names a piece (which piece a slow compile was)."""
+    vals = [node.meta.get("val") for node in piece.graph.find_nodes(op="placeholder")]
+    tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return "no tensor input"
+    big = max(tensors, key=lambda t: t.numel())
+    return f"largest input {str(big.dtype).removeprefix('torch.')}{list(big.shape)}"
+
+
 def _group_name(node: fx.Node) -> str | None:
     """The `group_name` argument of a collective's node (None for any other node)."""
     if not isinstance(node.target, torch._ops.OpOverload):
@@ -108,6 +118,8 @@ class Job:
     key: str
     parts: dict
     piece: fx.GraphModule
+    options: dict | None
+    """The Inductor options the piece is keyed and compiled with (`inductor._options`)."""
 
 
 class CompileWorkers:
@@ -127,7 +139,7 @@ class CompileWorkers:
         self.kept = False
         """Lent to several compiles in a row (`lent`): a worker stays once a batch is done, for the next one."""
 
-    def compile(self, jobs: list[Job], cache: compile_cache.CompileCache, options: dict | None,
+    def compile(self, jobs: list[Job], cache: compile_cache.CompileCache,
                 on_stored: Callable[[str], None] | None = None) -> dict[str, str]:
         """Compile `jobs` into `cache`: for each key, "" where its entry was stored, else why not. `on_stored(key)` is
         called here, in the caller's thread, as each entry is stored, while the workers compile the others: the
@@ -137,7 +149,7 @@ class CompileWorkers:
             groups = _groups([job.piece for job in jobs])
         except Exception as e:  # noqa: BLE001  (workers that cannot name the groups leave every piece to the pass)
             return {job.key: f"cannot name the process groups ({compile_cache.first_line(e)})" for job in jobs}
-        shared = {"options": options, "config": torch._inductor.config.save_config(), "folder": str(cache.folder),
+        shared = {"config": torch._inductor.config.save_config(), "folder": str(cache.folder),
                   "groups": groups}
         todo: queue.Queue[tuple[Job, Path] | None] = queue.Queue()
         answers: queue.Queue[tuple[str, str] | None] = queue.Queue()
@@ -150,7 +162,8 @@ class CompileWorkers:
         for i, job in enumerate(sorted(jobs, key=lambda j: -_weight(j.piece))):
             path = self.folder / f"job{i}.pkl"
             try:
-                payload = {**shared, "graph": graph_pickle.dumps(_sendable(job.piece)), "key": job.key, "parts": job.parts}
+                payload = {**shared, "graph": graph_pickle.dumps(_sendable(job.piece)), "key": job.key, "parts": job.parts,
+                           "options": job.options}
             except Exception as e:  # noqa: BLE001  (a piece that cannot be sent is compiled by the pass)
                 outcomes[job.key] = f"cannot send the piece ({compile_cache.first_line(e)})"
                 continue
@@ -202,7 +215,8 @@ class CompileWorkers:
                 if reply.get("ready") is not None and not ready_told:
                     ready_told = True
                     self.ready.append(reply["ready"])
-                logger.info(f"compile workers: piece of {len(job.piece.graph.nodes):,} nodes in {reply['seconds']:.1f} s")
+                logger.info(f"compile workers: piece of {len(job.piece.graph.nodes):,} nodes ({_largest_input(job.piece)}) "
+                            f"in {reply['seconds']:.1f} s")
                 answers.put((job.key, reply["error"]))
         finally:
             answers.put(None)

@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .. import compile_cache
 from ..config import cache_folder
 from ..graph_dump import is_collective
-from ..blocks import block_count
+from ..blocks import block_count, is_update
 from ..regions import REGION_KEY
 from . import compile_workers
 from .block_compile import PIECES, PiecePlan, decompose_pieces, flex_attention_masks, plan_pieces, stitch
@@ -94,6 +94,8 @@ class PieceEntry:
 
     key: str
     parts: dict
+    options: dict | None = None
+    """The Inductor options it is keyed and compiled with (`_options`, of the piece as traced)."""
     decomposed: bool = False
     by_worker: bool = False
     """Compiled by a compile worker of this start (a miss the worker paid, not a hit)."""
@@ -113,18 +115,22 @@ def _entries(plan: PiecePlan, ctx: PassContext, cache: compile_cache.CompileCach
     """The cache entry of each group's first piece that computes something, by the piece's id."""
     if cache is None:
         return {}
-    return {id(members[0].module): PieceEntry(*compile_cache.cache_key(members[0].module, fake_inputs(members[0].module, ctx),
-                                                                     _options(ctx), ctx.device, ctx.meshes))
-            for members in plan.compiled_groups}
+    entries = {}
+    for members in plan.compiled_groups:
+        piece = members[0].module
+        options = _options(ctx, piece)
+        entries[id(piece)] = PieceEntry(*compile_cache.cache_key(piece, fake_inputs(piece, ctx), options, ctx.device, ctx.meshes),
+                                        options=options)
+    return entries
 
 
 def _compile_in_workers(workers: compile_workers.CompileWorkers, missing: list[tuple[fx.GraphModule, PieceEntry]],
                         ctx: PassContext, cache: compile_cache.CompileCache) -> None:
     """Have the workers compile the pieces whose entries the cache lacks; report how many and how long."""
-    jobs = [compile_workers.Job(entry.key, entry.parts, piece) for piece, entry in missing]
+    jobs = [compile_workers.Job(entry.key, entry.parts, piece, entry.options) for piece, entry in missing]
     by_key = {entry.key: entry for _, entry in missing}
     start = time.perf_counter()
-    outcomes = workers.compile(jobs, cache, _options(ctx), on_stored=lambda key: _preload(cache, by_key[key]))
+    outcomes = workers.compile(jobs, cache, on_stored=lambda key: _preload(cache, by_key[key]))
     # a piece without an outcome was never taken: every worker had died
     for _, entry in missing:
         entry.by_worker = outcomes.get(entry.key) == ""
@@ -296,9 +302,21 @@ block's shard (4 GiB at dp_shard 32). A backend that schedules the collectives (
 needs its order kept as well."""
 
 
-def _options(ctx: PassContext) -> dict | None:
+ONE_POINTWISE_CONFIG = {"triton.autotune_pointwise": False}
+"""Inductor options for a piece of the in-graph optimizer's update (a parameter and its moments written in place):
+one launch configuration per pointwise kernel, none benchmarked. standalone_compile autotunes every kernel
+at compile time, and before each configuration's run Inductor copies the buffers the kernel writes to host memory
+and back: on one H200 (torch 2.11) the update of the output projection's shard (64128 x 4096) compiled in 3.0 s, 2.1
+of them benchmarking (1.2 in those copies), against 0.55 s for a 2048 x 4096 weight's; in a compile worker 5.4-6.1 s,
+the last piece the first step waited for (bench/results/2026-11-30-session28, calls 1-3). The update reads and
+writes each element once: its kernels are bound by memory bandwidth whichever block size runs them."""
+
+
+def _options(ctx: PassContext, gm: fx.GraphModule) -> dict | None:
     # standalone_compile hands `options` to compile_fx as keywords (torch 2.11 and 2.13).
-    return {"config_patches": KEEP_TRAIN_STEP_ORDER} if ctx.stage == "train_step" else None
+    patches = {**(KEEP_TRAIN_STEP_ORDER if ctx.stage == "train_step" else {}),
+               **(ONE_POINTWISE_CONFIG if is_update(gm) else {})}
+    return {"config_patches": patches} if patches else None
 
 
 def warm_compile_pool(device: torch.device) -> None:
@@ -332,7 +350,7 @@ def _compile_whole(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
     assert entry is None or kept is None, "a piece lost an input"
     if kept is not None:
         inputs = [inputs[i] for i in kept]
-    options = _options(ctx)
+    options = entry.options if entry is not None else _options(ctx, gm)
     cache = _cache(ctx)
     compiled, outcome, by_worker = None, "off", False
     if cache is not None:
