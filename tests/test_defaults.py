@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from graph_trainer.config import load_toml, parse_args
+from graph_trainer.config import ConfigError, load_toml, parse_args
 from graph_trainer.defaults import OVERLAP_SCHEDULE, for_record, resolve
 from graph_trainer.units import GiB, fill_device, parse_memory_budget
 from graph_trainer.validate import validate
@@ -81,3 +81,16 @@ def test_default_run_traces_and_equals_eager_bitwise():
     ref, got = read_metrics(eager), read_metrics(traced)
     assert "trace_s" in got[0] and "trace_s" not in ref[0]
     assert losses(got) == losses(ref) and grad_norms(got) == grad_norms(ref)
+
+
+@pytest.mark.parametrize("flags", [("--parallelism.pp", "2", "--parallelism.dp_shard", "16"),
+                                   ("--compile.inductor_compilation", "autoparallel_backend")],
+                         ids=["pp", "autoparallel_backend"])
+def test_a_production_config_names_how_to_turn_its_in_graph_optimizer_off(flags):
+    """What the in-graph optimizer does not run with is refused in one line that names the negated flag (dropping
+    a flag the user never passed is no fix), and with that flag the job validates."""
+    argv = ["--config", str(CONFIGS / "llama3_70b.toml"), *flags]
+    with pytest.raises(ConfigError) as err:
+        validate(parse_args(argv), world_size=32, device_type="cuda")
+    assert "pass --compile.no-optimizer_in_graph" in str(err.value) and "\n" not in str(err.value)
+    validate(parse_args([*argv, "--compile.no-optimizer_in_graph"]), world_size=32, device_type="cuda")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import ConfigError, JobConfig
 from .registry import GRAPH_MODES, OPTIONS, PASSES, OptionSpec, PassSpec
@@ -98,18 +99,26 @@ def check_options(cfg: JobConfig, plan: "_Plan") -> None:
             _check_option(cfg, option, plan)
 
 
+def _turning_off(flag: str, on: Any) -> str:
+    """How to turn a lever off: a switch by its negated flag, which also overrides a config that sets it."""
+    if on is True:
+        section, _, key = flag.rpartition(".")
+        return f"pass --{section}.no-{key}"
+    return f"drop {_as_flag(flag, on)}"
+
+
 def _check_option(cfg: JobConfig, option: OptionSpec, plan: "_Plan") -> None:
-    lever = _as_flag(option.flag, option.on)
+    lever, off = _as_flag(option.flag, option.on), _turning_off(option.flag, option.on)
     if plan.mode not in option.modes:
         raise ConfigError(f"{lever} does not support --compile.mode {plan.mode}; use --compile.mode "
-                          f"{' or '.join(option.modes)}, or drop {lever}")
+                          f"{' or '.join(option.modes)}, or {off}")
     if plan.backend in option.excluded_backends:
         raise ConfigError(f"{lever} cannot run with --compile.inductor_compilation {plan.backend}; use another backend "
-                          f"(none, regional or full) or drop {lever}")
+                          f"(none, regional or full) or {off}")
     for spec in plan.specs:
         if spec.name in option.conflicts:
             remedy = f"remove {spec.name!r} from --compile.passes" if spec.name in plan.user else "use another backend"
-            raise ConfigError(f"{lever} conflicts with pass {plan.label(spec.name)}; {remedy} or drop {lever}")
+            raise ConfigError(f"{lever} conflicts with pass {plan.label(spec.name)}; {remedy} or {off}")
     for flag, value, why in option.requires:
         if _setting(cfg, flag) != value:
             raise ConfigError(f"{lever} needs {_as_flag(flag, value)} ({why}); "
