@@ -19,7 +19,7 @@ from torch import fx
 from helpers import cached_run, grad_norms, losses, read_metrics
 from traced_step import trace_step
 
-from graph_trainer.passes.async_tp import PIPELINED, _lower_gather, _lower_scatter, _tp_group, async_tp, tp_sites
+from graph_trainer.passes.async_tp import PIPELINED, _lower_gather, _lower_scatter, tp_group, async_tp, tp_sites
 from graph_trainer.passes.bucketing_compat import ALL_GATHER, REDUCE_SCATTER, WAIT
 
 LAYERS = 2
@@ -56,7 +56,7 @@ def _overlapped(gm: fx.GraphModule, group: str) -> int:
 @pytest.mark.parametrize("batch", [4, 1])
 def test_finds_every_tp_matmul_pair_and_pipelines_it(fake_pg, batch):
     gm, ctx = _llama(1, 2, batch)
-    group = _tp_group(ctx)
+    group = tp_group(ctx)
     gathers, scatters = tp_sites(gm, group, ctx.num_params)
     # Forward: each block gathers the input of wq/wk/wv and of w1/w3, and reduce-scatters wo's and w2's
     # output; the output layer gathers its input. Backward mirrors the row-parallel pairs (the gradient of
@@ -76,7 +76,7 @@ def test_finds_every_tp_matmul_pair_and_pipelines_it(fake_pg, batch):
 @pytest.mark.parametrize("batch", [4, 1])
 def test_symm_mem_lowering_builds_the_fused_ops(fake_pg, batch):
     gm, ctx = _llama(1, 2, batch)
-    gathers, scatters = tp_sites(gm, _tp_group(ctx), ctx.num_params)
+    gathers, scatters = tp_sites(gm, tp_group(ctx), ctx.num_params)
     shapes = [mm.meta["val"].shape for s in gathers for mm in s.matmuls]
     for site in gathers:
         assert _lower_gather(gm.graph, site, chunks=None)
@@ -104,7 +104,7 @@ def test_chunk_count_sets_the_slices(fake_pg):
     gather and the last reduce-scatter exposed, a quarter of the bytes each), every piece but the last in flight over
     a matmul."""
     two, ctx = _llama(1, 2)
-    group = _tp_group(ctx)
+    group = tp_group(ctx)
     sites = sum(map(len, tp_sites(two, group, ctx.num_params)))
     async_tp(two, ctx)
     four, ctx4 = _llama(1, 2)
@@ -119,7 +119,7 @@ def test_chunk_count_sets_the_slices(fake_pg):
 def test_graph_unchanged_without_tp(fake_pg):
     gm, ctx = _llama(2, 1)
     before = gm.code
-    assert tp_sites(gm, _tp_group(ctx), ctx.num_params) == ([], [])
+    assert tp_sites(gm, tp_group(ctx), ctx.num_params) == ([], [])
     async_tp(gm, ctx)
     assert gm.code == before
     assert ctx.report["async_tp"]["async_tp_sites_found"] == 0

@@ -24,7 +24,7 @@ from graph_trainer.blocks import annotate_blocks, block_starts, node_block
 from graph_trainer.graph_dump import is_collective
 from graph_trainer.passes import block_compile, inductor
 from graph_trainer.passes.block_compile import plan_pieces
-from graph_trainer.passes.async_tp import _tp_group
+from graph_trainer.passes.async_tp import tp_group
 from graph_trainer.passes.bucketing_compat import ALL_GATHER, REDUCE_SCATTER, WAIT
 from graph_trainer.passes.registry import Compiled, PassContext, apply_passes
 
@@ -150,7 +150,7 @@ def test_tensor_parallel_collectives_stay_with_the_compute_around_them(fake_pg):
     ones are the same in every block, so they stay in the pieces of block compute (cut out as communication, each of
     them made two more pieces a step): no piece that holds one is a piece of communication."""
     gm, ctx = trace_step("llama3", 1, 2, 1, "--model.n_layers", "4")
-    group = _tp_group(ctx)
+    group = tp_group(ctx)
     plan = plan_pieces(gm)
     with_tp = [p for p in plan.pieces if any(n.target in (ALL_GATHER, REDUCE_SCATTER) and n.args[-1] == group
                                              for n in p.module.graph.nodes)]

@@ -175,6 +175,9 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
         # async_tp through NCCL collectives instead of symmetric memory: at 8B-16L tp 2 0.92x (in 2 slices) and 0.91x
         # (in 4) the default (bench/results/2026-11-30-session22)
         ours("gt full async_tp chunked 2", c.group, FULL + ["--compile.async_tp_lowering", "chunked"], profile=True),
+        # the weight gradients moved beside the reduce-scatters async_tp leaves, against the production configs' step
+        ours("gt full optimizer_in_graph tp_reduce_overlap", c.group,
+             FULL + IN_GRAPH_OPTIMIZER + ["--compile.passes", ",".join([*default, "tp_reduce_overlap"])], profile=True),
     ] if c.tp > 1 else []
     overlapped += [ours("gt full ep_overlap", c.group, FULL + ["--compile.passes", ",".join([*default, "ep_overlap"])],
                         profile=True)] if c.ep > 1 else []

@@ -6,4 +6,4 @@ from . import cudagraph  # noqa: F401
 from . import inductor  # noqa: F401
 from . import bucketing, block_bucketing, gather_group, reshard  # noqa: F401
 from . import checkpoint_tags, memory_policy, pointwise_recompute  # noqa: F401
-from . import async_tp, ep_overlap  # noqa: F401
+from . import async_tp, ep_overlap, tp_reduce_overlap  # noqa: F401

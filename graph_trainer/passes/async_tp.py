@@ -298,7 +298,7 @@ def _lower_scatter(graph: fx.Graph, site: ScatterSite, chunks: int | None) -> No
     _erase_unused(graph, site.chain)
 
 
-def _tp_group(ctx: PassContext) -> str | None:
+def tp_group(ctx: PassContext) -> str | None:
     if ctx.meshes is None or ctx.meshes.degrees.tp == 1:
         return None
     return ctx.meshes.tp.get_group().group_name
@@ -333,7 +333,7 @@ def uses_symm_mem(cfg, device: torch.device) -> bool:
 
 
 def async_tp(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    group = _tp_group(ctx)
+    group = tp_group(ctx)
     symm_mem = uses_symm_mem(ctx.cfg, ctx.device)
     chunks = None if symm_mem else ctx.cfg.compile.async_tp_chunks
     gathers, scatters = tp_sites(gm, group, ctx.num_params)
