@@ -9,7 +9,8 @@ the validator checks, the trainer runs and `config.toml` records the same config
   `transformer_block_bucketing` (one bucket per block, prefetch chosen by the cost model); with
   `autoparallel_backend`, whose own scheduling pass buckets, only the first; on GPUs with tp > 1,
   then `async_tp` (1.04x over the step without it at llama3 8B-16L tp 2 on 2 H200s:
-  bench/results/2026-11-29-session21). `--compile.passes none` runs the step without any pass of
+  bench/results/2026-11-29-session21) and `tp_reduce_overlap` (the reduce-scatters async_tp leaves no longer
+  exposed there, 11.5 -> 0.4 ms, 1.03x: bench/results/2026-11-30-session28). `--compile.passes none` runs the step without any pass of
   ours; any other list is taken as it is. With pipeline parallelism the default is no pass.
 """
 
@@ -51,7 +52,7 @@ def _passes(cfg: JobConfig, backend: str, world_size: int, device_type: str) -> 
     # symmetric memory's fused ops need real CUDA peers; elsewhere the chunked lowering only adds copies (gloo's
     # collectives do not run beside the matmuls; fake ones move nothing)
     real_gpus = device_type == "cuda" and cfg.comm.mode == "real"
-    tp = ["async_tp"] if real_gpus and world_size > 1 and cfg.parallelism.tp > 1 else []
+    tp = ["async_tp", "tp_reduce_overlap"] if real_gpus and world_size > 1 and cfg.parallelism.tp > 1 else []
     return [*(schedule if _sharded(cfg, world_size) else ()), *tp]
 
 

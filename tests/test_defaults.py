@@ -28,11 +28,12 @@ def test_auto_backend_and_schedule_resolve_per_device_and_ranks():
     # tensor parallelism alone shards no parameter over data-parallel ranks: no schedule, and on real GPUs async TP
     # (symmetric memory's fused ops); not on CPU, nor with fake communication (no peers), nor with pipeline stages
     tp = ["--parallelism.tp", "2", "--parallelism.dp_shard", "1"]
-    assert resolve(parse_args(tp), "cuda", 2).compile.passes == ["async_tp"]
+    assert resolve(parse_args(tp), "cuda", 2).compile.passes == ["async_tp", "tp_reduce_overlap"]
     assert resolve(parse_args(tp), "cpu", 2).compile.passes == []
     assert resolve(parse_args([*tp, "--comm.mode", "fake", "--comm.fake_world_size", "2"]), "cuda", 2).compile.passes == []
     assert resolve(parse_args(["--parallelism.tp", "2", "--parallelism.pp", "2"]), "cuda", 4).compile.passes == []
-    assert resolve(parse_args(["--parallelism.tp", "2"]), "cuda", 8).compile.passes == [*OVERLAP_SCHEDULE, "async_tp"]
+    assert resolve(parse_args(["--parallelism.tp", "2"]), "cuda", 8).compile.passes == [*OVERLAP_SCHEDULE, "async_tp",
+                                                                                         "tp_reduce_overlap"]
     ap = parse_args(["--compile.inductor_compilation", "autoparallel_backend"])
     assert resolve(ap, "cuda", 8).compile.passes == ["separate_gather_group"]
     # the user's list is taken as it is; `none` is no pass at all, and is recorded as such
@@ -66,7 +67,7 @@ def test_production_configs_validate_for_their_gpu_counts(name):
     for gpus in _gpu_counts(path):
         validate(cfg, world_size=gpus, device_type="cuda")
         resolved = resolve(cfg, "cuda", gpus)
-        tp = ["async_tp"] if cfg.parallelism.tp > 1 else []
+        tp = ["async_tp", "tp_reduce_overlap"] if cfg.parallelism.tp > 1 else []
         assert resolved.compile.inductor_compilation == "full" and resolved.compile.passes == [*OVERLAP_SCHEDULE, *tp]
 
 
