@@ -10,7 +10,7 @@ the validator checks, the trainer runs and `config.toml` records the same config
   `autoparallel_backend`, whose own scheduling pass buckets, only the first; on GPUs with tp > 1,
   then `async_tp` (1.04x over the step without it at llama3 8B-16L tp 2 on 2 H200s:
   bench/results/2026-11-29-session21) and `tp_reduce_overlap` (the reduce-scatters async_tp leaves no longer
-  exposed there, 11.5 -> 0.4 ms, 1.03x: bench/results/2026-11-30-session28). `--compile.passes none` runs the step without any pass of
+  exposed there, 0.4 ms against 5.8-11.5, 1.03x in one call: bench/results/2026-11-30-session28). `--compile.passes none` runs the step without any pass of
   ours; any other list is taken as it is. With pipeline parallelism the default is no pass.
 """
 

@@ -176,7 +176,7 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
         # (in 4) the default (bench/results/2026-11-30-session22)
         ours("gt full async_tp chunked 2", c.group, FULL + ["--compile.async_tp_lowering", "chunked"], profile=True),
         # the production configs' step without tp_reduce_overlap, against it (`gt full optimizer_in_graph`): at 8B-16L
-        # tp 2 the pass took the reduce-scatters' exposed time from 11.5 to 0.4 ms, 1.03x (session 28, call 7)
+        # tp 2 the reduce-scatters' exposed time 0.4 ms with the pass, 5.8-11.5 without; 1.03x (session 28, call 7)
         ours("gt full optimizer_in_graph no tp_reduce_overlap", c.group,
              FULL + IN_GRAPH_OPTIMIZER + ["--compile.passes", ",".join([*schedule, "async_tp"])], profile=True),
     ] if c.tp > 1 else []
