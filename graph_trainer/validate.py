@@ -411,6 +411,7 @@ def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
     """--parallelism.pp: the stage split, the schedule's microbatches, and what pipelining does not combine with."""
     from .parallel.pipeline import BALANCED, LOOPED, SPLIT_BACKWARD, microbatches_of, min_microbatches, split_layers, stages_per_rank
     from .passes.registry import PASSES
+    from .passes.validate import turning_off
     from .pipelining import TRACED_MODES
 
     p, t = cfg.parallelism, cfg.training
@@ -424,7 +425,8 @@ def check_pipeline(cfg: JobConfig, degrees: tuple[int, int, int, int]) -> None:
         (cfg.compile.autoparallel and cfg.compile.autoparallel_impl == "meta",
          "--compile.autoparallel_impl meta (Meta's AutoParallel places whole-model graphs; the built-in solver places stages)"),
         (cfg.compile.mode == "jit", "--compile.mode jit"),
-        (cfg.compile.optimizer_in_graph, "--compile.optimizer_in_graph (which the production configs set: pass --compile.no-optimizer_in_graph)"),
+        (cfg.compile.optimizer_in_graph,
+         f"--compile.optimizer_in_graph (which the production configs set: {turning_off('compile.optimizer_in_graph', True)})"),
         (t.loss == "fused_linear_ce", "--training.loss fused_linear_ce (the output projection is in the last stage's graph)"),
         (cfg.validation.enable, "--validation.enable"),
         (cfg.checkpoint.last_save_in_hf, "--checkpoint.last_save_in_hf (save a checkpoint and run `graph-trainer export` on it)"),

@@ -17,17 +17,15 @@ from torch import fx
 
 from ..graph_dump import is_collective
 from .async_tp import PIPELINED, tp_group
+from .bucketing_compat import REDUCE_SCATTER
 from .registry import PassContext, PassSpec, register_pass
-
-c10d = torch.ops._c10d_functional
 
 
 def _is_barrier(node: fx.Node) -> bool:
     """Where a window of movable ops ends: anything but a pure computation (communication, symmetric memory's fused
     ops, in-place writes, inputs)."""
-    if node.op != "call_function":
-        return True
-    if is_collective(node) or node.target is c10d.wait_tensor.default:
+    # is_collective: waits included
+    if node.op != "call_function" or is_collective(node):
         return True
     if isinstance(node.target, torch._ops.OpOverload):
         return node.target.namespace != "aten" or node.target._schema.is_mutable
@@ -52,7 +50,7 @@ def tp_reduce_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     moved = sites = 0
     for node in list(gm.graph.nodes):
         # async_tp's own slices are pipelined with their matmuls already
-        if node.target is c10d.reduce_scatter_tensor.default and node.args[3] == group and PIPELINED not in node.meta:
+        if node.target is REDUCE_SCATTER and node.args[3] == group and PIPELINED not in node.meta:
             needed = _needed_by(node, set(window))
             later = [n for n in window if n not in needed]
             cursor = node

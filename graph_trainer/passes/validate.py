@@ -99,7 +99,7 @@ def check_options(cfg: JobConfig, plan: "_Plan") -> None:
             _check_option(cfg, option, plan)
 
 
-def _turning_off(flag: str, on: Any) -> str:
+def turning_off(flag: str, on: Any) -> str:
     """How to turn a lever off: a switch by its negated flag, which also overrides a config that sets it."""
     if on is True:
         section, _, key = flag.rpartition(".")
@@ -108,7 +108,7 @@ def _turning_off(flag: str, on: Any) -> str:
 
 
 def _check_option(cfg: JobConfig, option: OptionSpec, plan: "_Plan") -> None:
-    lever, off = _as_flag(option.flag, option.on), _turning_off(option.flag, option.on)
+    lever, off = _as_flag(option.flag, option.on), turning_off(option.flag, option.on)
     if plan.mode not in option.modes:
         raise ConfigError(f"{lever} does not support --compile.mode {plan.mode}; use --compile.mode "
                           f"{' or '.join(option.modes)}, or {off}")
