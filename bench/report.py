@@ -187,12 +187,13 @@ def _compile_table(results: list[dict]) -> list[str]:
              "passes before the decomposition, the decomposition with the distinct pieces it decomposed (and the pieces compile "
              "workers compiled in it, with their number), Inductor, and the "
              "host time of the first call and of the first clip + update; trace is the load of the stored trace where the "
-             "trace cache hit, and a miss stores the trace in the time after it; where make_fx ran fewer blocks than the "
+             "trace cache hit, and a miss stores the trace in the time after it, or the load of the step and its compiled "
+             "pieces where the step cache hit (no trace, no pass); where make_fx ran fewer blocks than the "
              "model has, the others repeated from them, their number follows the trace's time):", "",
-             "| group | run | compile cache | trace cache | blocks compiled / layers | trace s | trace stored s | passes s | "
-             "decomposition s (pieces) | Inductor compile (or cache load) s | first call + update s | first step s | "
+             "| group | run | compile cache | step cache | trace cache | blocks compiled / layers | trace s | trace stored s | "
+             "passes s | decomposition s (pieces) | Inductor compile (or cache load) s | first call + update s | first step s | "
              "launch to step 1 s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         blocks = f"{r['compiled_blocks']} / {r['layers']}" if r.get("compiled_blocks") else "-"
         passes = [v for k, v in r.items() if k.startswith("pass_") and k not in ("pass_inductor_decomposition_s",
@@ -202,12 +203,13 @@ def _compile_table(results: list[dict]) -> list[str]:
             pieces += f", {r.get('worker_compiled_pieces', 0)} by {r['compile_workers']} workers"
         first = r["first_call_s"] + r["optimizer_s"] if "first_call_s" in r and "optimizer_s" in r else None
         traced = f" ({r['traced_blocks']} blocks)" if r.get("traced_blocks", r.get("layers")) != r.get("layers") else ""
-        lines.append(f"| {r['group']} | {r['name']} | {r.get('compile_cache', '-')} | {r.get('trace_cache', '-')} | {blocks} | "
+        lines.append(f"| {r['group']} | {r['name']} | {r.get('compile_cache', '-')} | {r.get('step_cache', '-')} | "
+                     f"{r.get('trace_cache', '-')} | {blocks} | "
                      f"{_fmt(r, 'trace_s', '.1f')}{traced} | {_fmt(r, 'trace_store_s', '.1f')} | {sum(passes):.1f} | {_fmt(r, 'pass_inductor_decomposition_s', '.1f')}{pieces} | "
                      f"{_fmt(r, 'pass_full_inductor_compilation_s', '.1f')} | {'-' if first is None else f'{first:.1f}'} | "
                      f"{_fmt(r, 'time_to_first_step_s', '.1f')} | {_fmt(r, 'launch_to_first_step_s', '.1f')} |")
     titans = [r for r in results if r["trainer"] == "titan" and r.get("launch_to_first_step_s")]
-    lines += [f"| {r['group']} | {r['name']} | - | - | - | - | - | - | - | - | - | - | {r['launch_to_first_step_s']:.1f} |" for r in titans]
+    lines += [f"| {r['group']} | {r['name']} | - | - | - | - | - | - | - | - | - | - | - | {r['launch_to_first_step_s']:.1f} |" for r in titans]
     return lines
 
 

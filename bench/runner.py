@@ -178,7 +178,7 @@ def summarize(run: Run, found: list[dict], wall_s: float, rc: int, tail: str) ->
     # the memory policy's choice (saved / recomputed / offloaded activations), where one ran, and the first step's
     # time by phase and graph pass
     out.update({k: v for k, v in found[0].items() if k.startswith(("ac_", "pass_", "compile_cache", "compile_workers"))
-                or k in ("trace_s", "trace_cache", "trace_store_s", "compile_s", "compiled_blocks", "block_pieces", "layers", "decomposed_pieces",
+                or k in ("trace_s", "trace_cache", "step_cache", "trace_store_s", "compile_s", "compiled_blocks", "block_pieces", "layers", "decomposed_pieces",
                          "worker_compiled_pieces", "traced_blocks", "before_init_s", "init_s", "first_call_s", "optimizer_s", "pp_stage_layers")})
     return out
 

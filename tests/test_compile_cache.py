@@ -53,31 +53,54 @@ def test_second_start_loads_every_compiled_graph(tmp_path):
     # 6 layers: block reuse compiles the distinct pieces (more than one), each stored as an entry of its own
     assert cold[0]["compile_cache"] == "miss" and cold[0]["compile_cache_entries_written"] == len(stored) > 1
     assert cold[0]["decomposed_pieces"] == cold[0]["compiled_blocks"] == len(stored)
+    # the trace, and what the passes and the compile made of it (the decided step), stored beside the compiles
+    assert (cold[0]["trace_cache"], cold[0]["step_cache"]) == ("miss", "miss")
+    assert len(entries(cold_folder / "compile_cache" / "traces")) == len(entries(cold_folder / "compile_cache" / "steps")) == 1
     proc = train(["--job.dump_folder", str(tmp_path), *full_inductor(1), "--compile.cache_dir", str(cold_folder / "compile_cache")])
     warm = read_metrics(tmp_path)
     assert warm[0]["compile_cache"] == "hit"
     assert (warm[0]["compile_cache_entries_loaded"], warm[0]["compile_cache_entries_written"]) == (len(stored), 0)
-    # nor traced: the step as the cold start traced it was loaded
-    assert (cold[0]["trace_cache"], warm[0]["trace_cache"]) == ("miss", "hit") and "trace_store_s" not in warm[0]
-    assert "loaded the train step" in proc.stderr and "traced the train step" not in proc.stderr
-    assert len(entries(cold_folder / "compile_cache" / "traces")) == 1
-    # the entries are keyed by the pieces as traced: a warm start decomposes none of them
-    assert warm[0]["decomposed_pieces"] == 0
-    # Inductor compiles only on a miss, which logs "compile cache: miss" and stores an entry: neither happened.
-    assert proc.stderr.count("compile cache: hit") == len(stored) and "compile cache: miss" not in proc.stderr
+    # the decided step ran: neither traced nor loaded the trace, no pass ran, nothing was decomposed or compiled
+    assert (warm[0]["step_cache"], warm[0]["trace_cache"]) == ("hit", "unused")
+    assert "loaded the decided step" in proc.stderr and "the train step:" not in proc.stderr and "pass " not in proc.stderr
+    assert "decomposed_pieces" not in warm[0] and "compile cache: miss" not in proc.stderr
+    # the step's figures as the cold start reported them
+    assert (warm[0]["compiled_blocks"], warm[0]["block_pieces"], warm[0]["layers"]) == (
+        cold[0]["compiled_blocks"], cold[0]["block_pieces"], cold[0]["layers"])
     assert entries(cold_folder / "compile_cache") == stored
     assert losses(warm) == losses(cold) and grad_norms(warm) == grad_norms(cold)
 
-    # An entry the decomposition counted on, cut short: its piece, left as traced, is decomposed and compiled.
+    # The decided step cut short, and an entry the decomposition counted on cut short: the stored trace is loaded, the
+    # passes run, the cut piece, left as traced, is decomposed and compiled; both refusals are one warning each.
     cache = tmp_path / "cut"
     shutil.copytree(cold_folder / "compile_cache", cache)
-    cut = cache / sorted(stored)[0]
-    cut.write_bytes(cut.read_bytes()[:1000])
-    train(["--job.dump_folder", str(tmp_path / "again"), *full_inductor(1), "--compile.cache_dir", str(cache)])
+    for cut in (cache / sorted(stored)[0], next((cache / "steps").glob("*.bin"))):
+        cut.write_bytes(cut.read_bytes()[:1000])
+    proc = train(["--job.dump_folder", str(tmp_path / "again"), *full_inductor(1), "--compile.cache_dir", str(cache)])
     again = read_metrics(tmp_path / "again")
+    assert again[0]["step_cache"].startswith("refused (truncated") and again[0]["trace_cache"] == "hit"
     assert again[0]["compile_cache"].startswith("refused (truncated")
+    assert proc.stderr.count("; tracing the step") == proc.stderr.count("; compiling afresh") == 1 and "Traceback" not in proc.stderr
     assert (again[0]["compile_cache_entries_loaded"], again[0]["compile_cache_entries_written"]) == (len(stored) - 1, 1)
     assert losses(again) == losses(cold) and grad_norms(again) == grad_norms(cold)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_restart_into_the_step_their_passes_decided(tmp_path):
+    gloo_folder = cached_run(full_inductor(2), nproc=2)
+    gloo = read_metrics(gloo_folder)
+    cache = tmp_path / "cache"
+    shutil.copytree(gloo_folder / "compile_cache", cache)
+    # the overlap schedule (the all-gathers on twin communicators, per-block buckets) on both ranks
+    assert gloo[0]["step_cache"] == "miss" and gloo[0]["gathers_on_own_group"] > 0
+    proc = train(["--job.dump_folder", str(tmp_path / "job"), *full_inductor(2), "--compile.cache_dir", str(cache)], nproc=2)
+    warm = read_metrics(tmp_path / "job")
+    # both ranks ran it (a rank that planned again would have stored its own decided step or trace, and a rank that
+    # disagreed refuses on both), over twin communicators made again in the order the passes made them
+    assert (warm[0]["step_cache"], warm[0]["compile_cache"]) == ("hit", "hit") and "pass " not in proc.stderr
+    assert warm[0]["gathers_on_own_group"] == gloo[0]["gathers_on_own_group"]
+    assert entries(cache / "steps") == entries(gloo_folder / "compile_cache" / "steps")
+    assert losses(warm) == losses(gloo) and grad_norms(warm) == grad_norms(gloo)
 
 
 @pytest.mark.slow

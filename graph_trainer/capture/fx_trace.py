@@ -34,6 +34,7 @@ from ..train_step import FunctionalTrainStep, accumulate_grads, named_buffers
 from .registry import CaptureContext
 from .compat import untraced_sharding_propagation
 from .block_template import expand, plan_templates, traced_layers
+from .step_cache import StepCache
 from .trace_cache import TraceCache
 from .unread import drop_unread
 from .update_tail import append_update
@@ -172,6 +173,10 @@ class TracedStep:
         extra = self._extra_inputs()
         example_inputs = [*locals_, *self.buffers, inputs, labels, *extra]
         cache = TraceCache.of(cfg, self.fn.specs, example_inputs, self.ctx.device, self.ctx.meshes.degrees)
+        steps = StepCache.of(cfg, cache.key) if cache is not None else None
+        if steps is not None and self._load_decided(steps, first, t0):
+            self.signature = self._signature(inputs, labels)
+            return
         backend = get_backend(cfg.compile.inductor_compilation)
         gm = cache.load() if cache is not None else None
         if gm is None:
@@ -210,7 +215,25 @@ class TracedStep:
         self.ctx.stats.update(trace_s=t1 - t0, compile_s=t3 - t2, graph=dumper.stages)
         for figures in pctx.report.values():
             self.ctx.stats.update(figures)
+        if steps is not None:
+            self.ctx.stats["step_cache"] = steps.outcome
+            steps.store(self.compiled, pctx.report)
         self.signature = self._signature(inputs, labels)
+
+    def _load_decided(self, steps: StepCache, first: bool, t0: float) -> bool:
+        """Run the step a start of this job decided and stored (step_cache.py), where every rank has it."""
+        loaded = steps.load(self.ctx)
+        self.ctx.stats["step_cache"] = steps.outcome
+        if loaded is None:
+            return False
+        self.compiled, figures = loaded
+        seconds = time.perf_counter() - t0
+        logger.info(f"loaded the decided step: {len(self.compiled.fn.order)} pieces, {figures['compile_cache_entries_loaded']} "
+                    f"compiled, in {seconds:.1f} s")
+        if not first:
+            self.ctx.stats["retraces"] += 1
+        self.ctx.stats.update(figures, trace_s=seconds, compile_s=0.0, trace_cache="unused")
+        return True
 
     @staticmethod
     def _signature(inputs: torch.Tensor, labels: torch.Tensor) -> tuple:

@@ -68,10 +68,15 @@ def mesh_dims(meshes) -> list[tuple[str, list[list[int]]]]:
     return out
 
 
+_MADE: dict[str, None] = {}
+"""The twin sets made in this process group, in the order made: the names of new groups follow from it."""
+
+
 def _make_twins(key: str, table: dict[str, str], meshes, timeout: timedelta) -> dict[str, str]:
     twins = _current(key, table)
     if twins:
         return twins
+    _current("made", _MADE)[key] = None
     for name, groups in mesh_dims(meshes):
         # every rank makes every group of the dimension, in the same order: no rank waits on another's choice
         mine, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
@@ -95,6 +100,19 @@ def all_to_all_twins(meshes, timeout: timedelta) -> dict[str, str]:
 def made_twins() -> list[tuple[str, str]]:
     """(mesh group, twin) of every twin made so far in this process group (none are made here)."""
     return [*_current("twins", _TWINS).items(), *_current("all_to_all_twins", _A2A_TWINS).items()]
+
+
+def twin_sets() -> list[str]:
+    """The twin sets made so far in this process group ("twins", "all_to_all_twins"), in the order they were made."""
+    return list(_current("made", _MADE))
+
+
+def make_twin_sets(kinds: list[str], meshes, timeout: timedelta) -> None:
+    """Make the twin sets `kinds` in that order, as the passes of an earlier start made them (capture/step_cache.py):
+    made in the same order, their groups get the same names."""
+    makers = {"twins": gather_twins, "all_to_all_twins": all_to_all_twins}
+    for kind in kinds:
+        makers[kind](meshes, timeout)
 
 
 def twin_of(group_name: str) -> str | None:

@@ -407,11 +407,35 @@ def runs_as_fx(members: list[Piece]) -> bool:
             or any(node.target in MULTI_TENSOR_REDUCTIONS for node in first.module.graph.nodes))
 
 
-class PieceRunner:
-    """Runs the pieces in graph order, each with its group's compiled callable."""
+@dataclass(frozen=True)
+class Slots:
+    """Where one piece's values live while the step runs (`Piece`'s fields of the same names)."""
 
-    def __init__(self, steps: list[tuple[Piece, Callable[[list[Any]], Any]]], constants: list[Any], result: Any, slots: int):
-        self.steps = steps
+    inputs: list[int]
+    outputs: list[int]
+    frees: list[int]
+    releases: list[int]
+
+
+@dataclass
+class GroupCall:
+    """How a group's pieces run: `call` (boxed), made from the compile-cache entry `key` (a compiled group whose
+    compile the job's cache holds) or from `module` (a group run as FX); neither where the compile was not stored.
+    capture/step_cache.py stores a runner by these and makes it again from them."""
+
+    call: Callable[[list[Any]], Any]
+    key: str | None = None
+    module: fx.GraphModule | None = None
+
+
+class PieceRunner:
+    """Runs the pieces in graph order, each piece (`Slots`) with its group's call (`order`: the group of each)."""
+
+    def __init__(self, slots_of: list[Slots], order: list[int], groups: list[GroupCall], constants: list[Any], result: Any,
+                 slots: int):
+        self.slots_of = slots_of
+        self.order = order
+        self.groups = groups
         self.constants = constants
         self.result = result
         self.slots = slots
@@ -419,11 +443,12 @@ class PieceRunner:
     def __call__(self, *args: Any) -> Any:
         env: list[Any] = [*args, *self.constants]
         env += [None] * (self.slots - len(env))
-        for piece, call in self.steps:
+        calls = [group.call for group in self.groups]
+        for piece, group in zip(self.slots_of, self.order):
             ins = [env[i] for i in piece.inputs]
             for i in piece.frees:
                 env[i] = None
-            for i, value in zip(piece.outputs, call(ins)):
+            for i, value in zip(piece.outputs, calls[group](ins)):
                 env[i] = value
             for i in piece.releases:
                 env[i] = None
@@ -447,13 +472,19 @@ class PiecePlan:
     def compile(self, ctx: PassContext, compile_fn: Callable[[fx.GraphModule, PassContext], Compiled]) -> PieceRunner:
         """Compile each group's first piece with `compile_fn`, or run it as FX (`runs_as_fx`); the runner
         calls it for every member."""
-        calls: dict[int, Callable[[list[Any]], Any]] = {}
-        for members in self.groups:
+        groups: list[GroupCall] = []
+        group_of: dict[int, int] = {}
+        for index, members in enumerate(self.groups):
             module = members[0].module
-            call = _boxed(Compiled(module, module) if runs_as_fx(members) else compile_fn(module, ctx))
+            if runs_as_fx(members):
+                groups.append(GroupCall(_boxed(Compiled(module, module)), module=module))
+            else:
+                compiled = compile_fn(module, ctx)
+                groups.append(GroupCall(_boxed(compiled), key=compiled.cache_key))
             for piece in members:
-                calls[id(piece)] = call
-        return PieceRunner([(p, calls[id(p)]) for p in self.pieces], self.constants, self.result, self.slots)
+                group_of[id(piece)] = index
+        return PieceRunner([Slots(p.inputs, p.outputs, p.frees, p.releases) for p in self.pieces],
+                           [group_of[id(p)] for p in self.pieces], groups, self.constants, self.result, self.slots)
 
 
 def plan_pieces(gm: fx.GraphModule, phase: Phase | None = None) -> PiecePlan | None:

@@ -379,8 +379,9 @@ def _compile_whole(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
         made = "stored by a compile worker in" if by_worker else "stored in" if written else "entry"
         logger.info(f"compile cache: {outcome}, {made} {cache.path(key)} ({_ops(gm)} ops, {time.perf_counter() - start:.1f} s)")
     compile_cache.record(ctx.report, outcome, int(outcome == "hit"), written)
+    held = key if cache is not None and (outcome == "hit" or written) else None
     if kept is None:
-        return Compiled(compiled, gm)
+        return Compiled(compiled, gm, cache_key=held)
     return Compiled(lambda *args: compiled(*[args[i] for i in kept]), gm)
 
 

@@ -155,13 +155,16 @@ class Compiled:
 
     The call runs without autograd recording: the train-step graph already holds its backward, and
     its parameter inputs require grad, which compiled kernels writing into `out=` buffers refuse.
-    `boxed`: `fn` takes one list of inputs (Inductor's and AOTAutograd's convention).
+    `boxed`: `fn` takes one list of inputs (Inductor's and AOTAutograd's convention). `cache_key`: the
+    compile-cache entry that holds `fn` (loaded from it or stored in it), where one does.
     """
 
-    def __init__(self, fn: Callable[..., Any], graph_module: fx.GraphModule | None, boxed: bool = False):
+    def __init__(self, fn: Callable[..., Any], graph_module: fx.GraphModule | None, boxed: bool = False,
+                 cache_key: str | None = None):
         self.fn = fn
         self.graph_module = graph_module
         self.boxed = boxed
+        self.cache_key = cache_key
 
     def __call__(self, *args: Any) -> Any:
         with torch.no_grad():
