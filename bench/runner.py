@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -35,11 +36,12 @@ def dump_folder(runs_dir: Path, group: str, name: str) -> Path:
 
 
 def _profiling_args(run: Run) -> list[str]:
+    """Both trainers record the last step, the profiler started a step before it (a warm-up step it drops)."""
     if not run.profile:
         return []
     if run.trainer == "gt":
-        return ["--profiling.enable", "--profiling.start_step", str(steps_of(run) - 1), "--profiling.steps", "1"]
-    # torchtitan's schedule: wait, warmup, then the recorded step; the last step is recorded, the one before warms up
+        return ["--profiling.enable", "--profiling.start_step", str(steps_of(run)), "--profiling.steps", "1"]
+    # torchtitan's schedule: wait, warmup, then the recorded step
     return ["--profiling.enable_profiling", "--profiling.profile_freq", str(steps_of(run)), "--profiling.profiler_warmup", "1",
             "--profiling.profiler_active", "1"]
 
@@ -145,14 +147,13 @@ def records(run: Run, dump: Path, output: str) -> list[dict]:
     for r in found:
         # like for like with ours: the allocator's peak active bytes (reserved bytes vary between identical runs)
         r["peak_memory_gib"] = memory.get(r["step"], {}).get("active_peak_gib")
-        if run.profile:
-            # the profiler's warm-up and recorded steps (see _profiling_args) are left out of the throughput
-            r["profiled"] = r["step"] >= steps_of(run) - 1
     return found
 
 
 def summarize(run: Run, found: list[dict], wall_s: float, rc: int, tail: str) -> dict:
-    steady = [r for r in found if r["step"] > WARMUP_STEPS and not r.get("profiled")]
+    # the profiler's warm-up and recorded steps (see _profiling_args) are left out of the throughput
+    profiled = steps_of(run) - 1 if run.profile else math.inf
+    steady = [r for r in found if WARMUP_STEPS < r["step"] < profiled]
     out = {"name": run.name, "group": run.group, "trainer": run.trainer, "nproc": run.nproc, "args": run.args,
            "returncode": rc, "wall_s": round(wall_s, 1), "steps": len(found),
            "losses": [r["loss"] for r in found], "grad_norms": [r.get("grad_norm") for r in found]}

@@ -73,7 +73,8 @@ MEMORY_BUDGET = ["--activation_checkpoint.mode", "memory_budget", "--activation_
 
 
 def tiny(run: Run) -> Run:
-    """The run shrunk for a CPU dry run: debug model, 64 tokens, 5 steps, fp32 (bf16 storage too); CUDA-only passes dropped."""
+    """The run shrunk for a CPU dry run: debug model, 64 tokens, 6 steps (one measured between the warm-up and the
+    profiler's two), fp32 (bf16 storage too); CUDA-only passes dropped."""
     args = list(run.args)
     batch = "4"
     if "--comm.fake_world_size" in args:
@@ -81,7 +82,7 @@ def tiny(run: Run) -> Run:
         tp = int(args[args.index("--parallelism.tp") + 1]) if "--parallelism.tp" in args else 1
         batch = str(int(args[args.index("--comm.fake_world_size") + 1]) // tp)
     for flag, value in (("--model.flavor", "debugmodel"), ("--training.seq_len", "64"), ("--training.batch_size", batch),
-                        ("--training.steps", "5")):
+                        ("--training.steps", "6")):
         # a pipeline's batch is its microbatches
         if flag in args and not (flag == "--training.batch_size" and "--parallelism.pp_microbatches" in args):
             args[args.index(flag) + 1] = value

@@ -33,9 +33,11 @@ from typing import Any
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, schedule
 
 TOP_KERNELS = 15
+STEP_RANGE = "ProfilerStep"
+"""The range the profiler's schedule opens around each step."""
 AT_PEAK_LINES = 30
 _OWN_FRAMES = ("torchinductor", "graph_trainer")
 """Where a block's allocating line is looked for, innermost frame first: a compiled graph's module, then ours."""
@@ -83,10 +85,10 @@ def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def summarize_events(events: list[Any], steps: int, wall_s: float, device_type: str) -> dict[str, Any]:
     """Per-step figures from profiler events (`FunctionEvent`s; times in microseconds)."""
     on_device = device_type == "cuda"
-    kernels = [e for e in events if (e.device_type == DeviceType.CUDA) == on_device]
+    kernels = [e for e in events if (e.device_type == DeviceType.CUDA) == on_device and not e.name.startswith(STEP_RANGE)]
     if not on_device:
         # Only operators called from Python or the graph, not the ops they call, so times do not double.
-        kernels = [e for e in kernels if e.cpu_parent is None]
+        kernels = [e for e in kernels if e.cpu_parent is None or e.cpu_parent.name.startswith(STEP_RANGE)]
     comm = [(e.time_range.start, e.time_range.end) for e in kernels if is_collective(e.name)]
     compute = [(e.time_range.start, e.time_range.end) for e in kernels if not is_collective(e.name)]
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
@@ -161,7 +163,9 @@ def memory_at_peak(trace: list[dict], before: int) -> dict[str, Any]:
 
 
 class StepProfiler:
-    """Starts the profiler before the first profiled step and stops it after the last one."""
+    """Profiles steps `start_step` .. `start_step + steps - 1`, started a step earlier where there is one (a warm-up step
+    whose events are dropped): starting the profiler takes each rank its own time, and a rank that started late held
+    the others' first collective of the first profiled step, which their traces then showed as exposed."""
 
     def __init__(self, dump_folder: str, start_step: int, steps: int, device: torch.device, is_rank0: bool,
                  enabled: bool, memory_snapshot: bool = False):
@@ -184,11 +188,12 @@ class StepProfiler:
             self._sync()
             self.allocated_before = torch.cuda.memory_allocated(self.device)
             torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-        if not (self.enabled and step == self.first):
+        warmup = int(self.first > 1)
+        if not (self.enabled and step == self.first - warmup):
             return
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self._sync()
-        self.prof = profile(activities=activities)
+        self.prof = profile(activities=activities, schedule=schedule(wait=0, warmup=warmup, active=self.last - self.first + 1))
         self.prof.__enter__()
         self.started_at = time.perf_counter()
 
@@ -201,7 +206,14 @@ class StepProfiler:
             (self.folder / "memory_snapshot.pickle").write_bytes(pickle.dumps(snapshot))
             summary = memory_at_peak(snapshot["device_traces"][self.device.index or 0], self.allocated_before)
             (self.folder / "memory_peak.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if self.prof is None or step != self.last:
+        if self.prof is None:
+            return
+        if step != self.last:
+            if step < self.first:
+                # the warm-up step's kernels end before the first profiled step's clock starts
+                self._sync()
+                self.started_at = time.perf_counter()
+            self.prof.step()
             return
         self._sync()
         wall = time.perf_counter() - self.started_at
