@@ -219,6 +219,9 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
         *overlapped,
         theirs("titan compile", auto, ["--compile.enable"]),
         ours("gt full auto-placed", auto, FULL + ["--compile.autoparallel"], profile=True),
+        # the production config placed by the solver, against the same config placed by hand (our best manual step)
+        *[replace(run, name="gt production config auto-placed", group=auto, args=run.args + ["--compile.autoparallel"])
+          for run in shipped[:1]],
         ours("gt autoparallel_backend auto-placed", auto, TRACE + ["--compile.inductor_compilation", "autoparallel_backend",
                                                                    "--compile.autoparallel"], profile=True),
     ]
