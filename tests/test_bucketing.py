@@ -49,11 +49,11 @@ def fake_pg():
     dist.destroy_process_group()
 
 
-def trace_llama(*flags: str, optimizer_in_graph: bool = False, param_dtype: torch.dtype = torch.float32
-                ) -> tuple[fx.GraphModule, PassContext]:
-    """llama3 debugmodel's train step with dp_shard=2 traced on meta tensors (needs `fake_pg`); with
-    `optimizer_in_graph`, clipping and AdamW traced in (capture/optimizer_in_graph.py); parameters cast to
-    `param_dtype` before they are gathered."""
+def trace_llama(*flags: str, optimizer_in_graph: bool = False, param_dtype: torch.dtype = torch.float32,
+                replicate: bool = False) -> tuple[fx.GraphModule, PassContext]:
+    """llama3 debugmodel's train step with dp_shard=2 (`replicate`: dp_replicate=2, every parameter whole and its
+    gradient all-reduced) traced on meta tensors (needs `fake_pg`); with `optimizer_in_graph`, clipping and AdamW
+    traced in (capture/optimizer_in_graph.py); parameters cast to `param_dtype` before they are gathered."""
     from graph_trainer import models
     from graph_trainer.blocks import annotate_blocks
     from graph_trainer.capture.fx_trace import trace_train_step
@@ -64,8 +64,10 @@ def trace_llama(*flags: str, optimizer_in_graph: bool = False, param_dtype: torc
     from graph_trainer.parallel import apply_activation_checkpointing
     from graph_trainer.train_step import FunctionalTrainStep, named_buffers
 
-    cfg = parse_args(["--compile.mode", "aot_fx_trace", "--parallelism.dp_shard", "2", *flags])
-    meshes = build_meshes(resolve_degrees(1, 2, 1, 1, 2), "cpu")
+    replicas, shards = (2, 1) if replicate else (1, 2)
+    cfg = parse_args(["--compile.mode", "aot_fx_trace", "--parallelism.dp_replicate", str(replicas), "--parallelism.dp_shard",
+                      str(shards), *flags])
+    meshes = build_meshes(resolve_degrees(replicas, shards, 1, 1, 2), "cpu")
     spec = models.get_spec("llama3")
     args = spec.args_for("debugmodel", 256, cfg.model.n_layers)
     model = place_model(models.build_on_meta(spec, args, "cpu"), spec, args, meshes,
@@ -75,7 +77,7 @@ def trace_llama(*flags: str, optimizer_in_graph: bool = False, param_dtype: torc
     step = FunctionalTrainStep(model, cross_entropy)
     params = [p.to_local() for p in model.parameters()]
     _, buffers = named_buffers(model)
-    tokens = torch.zeros(4, 256, dtype=torch.long, device="meta")
+    tokens = torch.zeros(4 // shards, 256, dtype=torch.long, device="meta")
     extra = []
     if optimizer_in_graph:
         from graph_trainer.capture.optimizer_in_graph import AdamWHyper, ClipAndAdamWStep
@@ -336,6 +338,24 @@ def test_in_graph_optimizer_gradients_are_bucketed_per_block(fake_pg):
     assert len(waits) == LAYERS + 2 and max(waits) < norm
 
 
+def test_in_graph_optimizer_all_reduces_of_replicated_gradients_are_bucketed_per_block(fake_pg):
+    """Replicated parameters' gradients (here every one: dp_replicate 2) are all-reduced and then read by the in-graph
+    update, as the reduce-scatters are: bucketed per block, each waited for before the gradient norm reads it, where
+    each was waited for as soon as it was issued."""
+    gm, ctx = trace_llama(optimizer_in_graph=True, replicate=True)
+    assert counts(gm) == {"all_reduce": PARAMS}
+    gm = apply_passes(gm, ["transformer_block_bucketing"], ctx, "train_step")
+    assert sorted(bucket_sizes(gm, c10d.all_reduce.default)) == [1, 2, *[9] * LAYERS]
+    order = list(gm.graph.nodes)
+    norm = next(i for i, n in enumerate(order) if "norm" in str(n.target) and "foreach" in str(n.target))
+    issued = {n: i for i, n in enumerate(order) if n.target is c10d.all_reduce.default}
+    waits = {n.args[0]: i for i, n in enumerate(order) if n.target is WAIT and n.args[0] in issued}
+    assert len(waits) == LAYERS + 2 and max(waits.values()) < norm
+    # each block's bucket is in flight while the next block's backward computes, not waited for where it is issued
+    # (the last block's, first in the embedding's reduction, which is ready right after it)
+    assert sum(waits[n] - issued[n] > 100 for n in issued if n.meta.get(BUCKET_META) == 9) == LAYERS - 1
+
+
 def _gathered_alive_across_loss(gm: fx.GraphModule) -> int:
     """Bytes of parameters gathered for forward (waited for before the loss) that backward reads, so
     they live across the loss. (A backward gather prefetched during the loss is not one of them.)"""
@@ -437,6 +457,19 @@ def test_replicated_gradients_all_reduced_per_block_bitwise():
     assert {k: v["count"] for k, v in _stage(base, "traced")["collectives"].items()} == {"all_reduce": PARAMS}
     got = _stage(folder, "transformer_block_bucketing")["collectives"]
     assert {k: (v["count"], v["buckets"]) for k, v in got.items()} == {"all_reduce": (LAYERS + 2, LAYERS + 1)}
+    ref, run = read_metrics(base), read_metrics(folder)
+    assert len(run) == 3 and losses(run) == losses(ref) and grad_norms(run) == grad_norms(ref)
+
+
+@pytest.mark.slow
+def test_replicated_gradients_read_by_the_in_graph_update_all_reduced_per_block_bitwise():
+    """The same with the optimizer in the graph, whose update reads each all-reduced gradient: one all-reduce per block,
+    bitwise the step that reduces them one by one."""
+    ddp = (*RUN, "--parallelism.dp_shard", "1", "--parallelism.dp_replicate", "2", "--compile.optimizer_in_graph")
+    base = cached_run((*ddp, "--compile.passes", "none"), 2)
+    folder = cached_run((*ddp, "--compile.passes", "transformer_block_bucketing"), 2)
+    got = _stage(folder, "transformer_block_bucketing")["collectives"]
+    assert got["all_reduce"]["count"] == LAYERS + 2
     ref, run = read_metrics(base), read_metrics(folder)
     assert len(run) == 3 and losses(run) == losses(ref) and grad_norms(run) == grad_norms(ref)
 

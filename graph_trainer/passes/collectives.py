@@ -141,9 +141,7 @@ def find_collectives(gm: fx.GraphModule) -> list[Collective]:
                                     pos[placeholder] + 1, need, chain, (pos[node], pos[wait]), placeholder=placeholder))
         elif node.target in (REDUCE_SCATTER, ALL_REDUCE):
             kind = "reduce_scatter" if node.target is REDUCE_SCATTER else "all_reduce"
-            # an all-reduce the in-graph update reads may be the gradient norm's, which reads every gradient:
-            # only gradients on their way to the outputs are taken
-            read = read_by_update(wait, pos) if kind == "reduce_scatter" else None
+            read = read_by_update(wait, pos)
             if read is None and not is_gradient_reduction(node):
                 continue
             if kind == "reduce_scatter":
@@ -171,7 +169,13 @@ def find_collectives(gm: fx.GraphModule) -> list[Collective]:
 
 def read_by_update(wait: fx.Node, pos: dict[fx.Node, int]) -> tuple[list[fx.Node], int, int] | None:
     """For a gradient that a traced parameter update (`blocks.UPDATE_KEY`) reads: the one-input chain below
-    its wait (views), the position of the first op that reads it otherwise, and the parameter's index."""
+    its wait (views), the position of the first op that reads it otherwise, and the parameter's index.
+
+    A reduction whose value, or a one-input op on it, has its parameter's shape: the gradient norm's all-reduce also
+    reaches updates through one-input ops (its root, the clip coefficient), as a [parameters] or scalar value. Replicated
+    parameters' gradient all-reduces are taken so, as reduce-scatters are (an auto-placed 8B-16L step with the in-graph
+    optimizer waited for each of its 33 norm weights' all-reduces at once: 37.4 ms exposed by the cost model's estimate,
+    bench/results/2026-11-30-session29, call 7)."""
     chain: list[fx.Node] = []
     readers: list[fx.Node] = []
     stack = [wait]
@@ -186,5 +190,8 @@ def read_by_update(wait: fx.Node, pos: dict[fx.Node, int]) -> tuple[list[fx.Node
     marks = [(r.meta.get("custom") or {}).get(UPDATE_KEY) for r in readers]
     index = next((m for m in marks if m is not None), None)
     if index is None:
+        return None
+    param = wait.graph.find_nodes(op="placeholder")[index].meta.get("val")
+    if param is None or not any(getattr(n.meta.get("val"), "shape", None) == param.shape for n in (wait, *chain)):
         return None
     return chain, min(pos[r] for r in readers), index
