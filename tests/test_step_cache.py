@@ -21,7 +21,7 @@ from torch import fx
 from helpers import launch
 
 from graph_trainer.capture.step_cache import StepCache
-from graph_trainer.passes.block_compile import GroupCall, PieceRunner, Slots, _boxed, _Slot
+from graph_trainer.passes.block_compile import GroupCall, PieceRunner, Slots, boxed, _Slot
 from graph_trainer.passes.registry import Compiled
 
 
@@ -56,7 +56,7 @@ def _runner(group_name: str) -> Compiled:
     x, y = step.placeholder("x"), step.placeholder("y")
     reduced = step.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", group_name))
     step.output((reduced,))
-    group = GroupCall(_boxed(Compiled(module, module)), module=module)
+    group = GroupCall(boxed(Compiled(module, module)), module=module)
     runner = PieceRunner([Slots([0, 1], [2], [0], []), Slots([2, 1], [3], [2, 1], [])], [0, 0], [group], [], (_Slot(3),), 4)
     return Compiled(runner, fx.GraphModule(torch.nn.Module(), step))
 

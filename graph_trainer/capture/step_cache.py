@@ -43,7 +43,7 @@ from ..config import cache_folder
 from ..graph_dump import is_collective
 from ..parallel.compat import is_fake_process_group
 from ..parallel.links import make_twin_sets, twin_sets
-from ..passes.block_compile import GroupCall, PieceRunner, Slots, _boxed
+from ..passes.block_compile import GroupCall, PieceRunner, Slots, boxed
 from ..passes.compat import enable_symmetric_memory
 from ..passes.registry import ESTIMATES, Compiled
 from ..step_watchdog import group_timeout
@@ -131,10 +131,10 @@ class StepCache:
                     artifact = self.pieces.load(key)
                     if artifact is None:
                         raise compile_cache.Refused(f"the compile cache lacks its piece {key[:16]}")
-                    groups.append(GroupCall(_boxed(Compiled(artifact, None)), key=key))
+                    groups.append(GroupCall(boxed(Compiled(artifact, None)), key=key))
                 else:
                     loaded = graph_pickle.loads(module)
-                    groups.append(GroupCall(_boxed(Compiled(loaded, loaded)), module=loaded))
+                    groups.append(GroupCall(boxed(Compiled(loaded, loaded)), module=loaded))
             return entry, groups
         except Exception as e:  # noqa: BLE001  (an entry that cannot be used means: start as a cold start does)
             why = str(e) if isinstance(e, compile_cache.Refused) else compile_cache.first_line(e)

@@ -348,7 +348,7 @@ class _Slot:
         self.index = index
 
 
-def _boxed(compiled: Compiled) -> Callable[[list[Any]], Any]:
+def boxed(compiled: Compiled) -> Callable[[list[Any]], Any]:
     """Call `compiled` with a list it takes over, so that the inputs it reads last are freed inside it.
 
     standalone_compile's artifact takes positional arguments, which the frames of its wrappers keep
@@ -477,10 +477,10 @@ class PiecePlan:
         for index, members in enumerate(self.groups):
             module = members[0].module
             if runs_as_fx(members):
-                groups.append(GroupCall(_boxed(Compiled(module, module)), module=module))
+                groups.append(GroupCall(boxed(Compiled(module, module)), module=module))
             else:
                 compiled = compile_fn(module, ctx)
-                groups.append(GroupCall(_boxed(compiled), key=compiled.cache_key))
+                groups.append(GroupCall(boxed(compiled), key=compiled.cache_key))
             for piece in members:
                 group_of[id(piece)] = index
         return PieceRunner([Slots(p.inputs, p.outputs, p.frees, p.releases) for p in self.pieces],
