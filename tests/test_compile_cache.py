@@ -33,6 +33,12 @@ def full_inductor(nproc: int) -> tuple[str, ...]:
             "--compile.inductor_compilation", "full", "--compile.dump_graphs")
 
 
+def restart(nproc: int) -> tuple[str, ...]:
+    """The job of `full_inductor(nproc)` started again without dumping its graphs (a start that dumps runs the passes
+    that make the dumps, and does not load the decided step)."""
+    return tuple(a for a in full_inductor(nproc) if a != "--compile.dump_graphs")
+
+
 def entries(folder: Path) -> dict[str, int]:
     """The cache's entries by name, with their modification times (a rewritten entry changes it); the traced
     steps' are under traces/."""
@@ -56,7 +62,7 @@ def test_second_start_loads_every_compiled_graph(tmp_path):
     # the trace, and what the passes and the compile made of it (the decided step), stored beside the compiles
     assert (cold[0]["trace_cache"], cold[0]["step_cache"]) == ("miss", "miss")
     assert len(entries(cold_folder / "compile_cache" / "traces")) == len(entries(cold_folder / "compile_cache" / "steps")) == 1
-    proc = train(["--job.dump_folder", str(tmp_path), *full_inductor(1), "--compile.cache_dir", str(cold_folder / "compile_cache")])
+    proc = train(["--job.dump_folder", str(tmp_path), *restart(1), "--compile.cache_dir", str(cold_folder / "compile_cache")])
     warm = read_metrics(tmp_path)
     assert warm[0]["compile_cache"] == "hit"
     assert (warm[0]["compile_cache_entries_loaded"], warm[0]["compile_cache_entries_written"]) == (len(stored), 0)
@@ -76,7 +82,7 @@ def test_second_start_loads_every_compiled_graph(tmp_path):
     shutil.copytree(cold_folder / "compile_cache", cache)
     for cut in (cache / sorted(stored)[0], next((cache / "steps").glob("*.bin"))):
         cut.write_bytes(cut.read_bytes()[:1000])
-    proc = train(["--job.dump_folder", str(tmp_path / "again"), *full_inductor(1), "--compile.cache_dir", str(cache)])
+    proc = train(["--job.dump_folder", str(tmp_path / "again"), *restart(1), "--compile.cache_dir", str(cache)])
     again = read_metrics(tmp_path / "again")
     assert again[0]["step_cache"].startswith("refused (truncated") and again[0]["trace_cache"] == "hit"
     assert again[0]["compile_cache"].startswith("refused (truncated")
@@ -93,7 +99,7 @@ def test_two_gloo_ranks_restart_into_the_step_their_passes_decided(tmp_path):
     shutil.copytree(gloo_folder / "compile_cache", cache)
     # the overlap schedule (the all-gathers on twin communicators, per-block buckets) on both ranks
     assert gloo[0]["step_cache"] == "miss" and gloo[0]["gathers_on_own_group"] > 0
-    proc = train(["--job.dump_folder", str(tmp_path / "job"), *full_inductor(2), "--compile.cache_dir", str(cache)], nproc=2)
+    proc = train(["--job.dump_folder", str(tmp_path / "job"), *restart(2), "--compile.cache_dir", str(cache)], nproc=2)
     warm = read_metrics(tmp_path / "job")
     # both ranks ran it (a rank that planned again would have stored its own decided step or trace, and a rank that
     # disagreed refuses on both), over twin communicators made again in the order the passes made them

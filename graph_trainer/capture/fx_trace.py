@@ -174,7 +174,8 @@ class TracedStep:
         example_inputs = [*locals_, *self.buffers, inputs, labels, *extra]
         cache = TraceCache.of(cfg, self.fn.specs, example_inputs, self.ctx.device, self.ctx.meshes.degrees)
         steps = StepCache.of(cfg, cache.key) if cache is not None else None
-        if steps is not None and self._load_decided(steps, first, t0):
+        # a start that dumps its graphs runs the passes that make them (the same on every rank: the load is collective)
+        if steps is not None and not cfg.compile.dump_graphs and self._load_decided(steps, first, t0):
             self.signature = self._signature(inputs, labels)
             return
         backend = get_backend(cfg.compile.inductor_compilation)
