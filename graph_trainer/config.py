@@ -207,8 +207,9 @@ class Compile:
     the traced step is stored there too (traces/, keyed by the code, config, placements, inputs and, where ranks' graphs
     differ, the rank), and the step the passes and the compile made of it (steps/, the same key with the communication
     mode and world size: the pieces, their order and the passes' plan), so a restart neither traces nor runs a pass when
-    every rank has its entry and the start dumps no graphs (the step-1 record's step_cache: hit, miss or refused (why)). auto =
-    <job.dump_folder>/compile_cache; off (or empty) compiles and traces every time. `graph-trainer precompile` fills it."""
+    every rank has its entry and the start dumps no graphs (the step-1 record's step_cache: hit, miss or refused
+    (why)). auto = <job.dump_folder>/compile_cache; off (or empty) compiles and traces every time. `graph-trainer
+    precompile` fills it."""
     block_reuse: bool = True
     """Full Inductor: cut the aot_fx_trace step (or aot's and pipeline stages' forward and backward graphs) at every
     block, communication run and in-graph parameter update, and compile each distinct piece once, when the distinct

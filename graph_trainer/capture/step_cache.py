@@ -163,7 +163,8 @@ class StepCache:
         self.outcome = "hit"
         runner = PieceRunner([Slots(*s) for s in entry["slots_of"]], entry["order"], groups, entry["constants"],
                              entry["result"], entry["slots"])
-        figures = {**entry["figures"], "compile_cache": "hit", "compile_cache_entries_loaded": sum(g.key is not None for g in groups),
+        loaded = sum(g.key is not None for g in groups)
+        figures = {**entry["figures"], "compile_cache": "hit", "compile_cache_entries_loaded": loaded,
                    "compile_cache_entries_written": 0}
         return Compiled(runner, None), figures
 
