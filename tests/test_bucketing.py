@@ -77,7 +77,7 @@ def trace_llama(*flags: str, optimizer_in_graph: bool = False, param_dtype: torc
     step = FunctionalTrainStep(model, cross_entropy)
     params = [p.to_local() for p in model.parameters()]
     _, buffers = named_buffers(model)
-    tokens = torch.zeros(4 // shards, 256, dtype=torch.long, device="meta")
+    tokens = torch.zeros(4, 256, dtype=torch.long, device="meta")
     extra = []
     if optimizer_in_graph:
         from graph_trainer.capture.optimizer_in_graph import AdamWHyper, ClipAndAdamWStep
