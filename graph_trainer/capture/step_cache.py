@@ -43,6 +43,7 @@ from ..config import cache_folder
 from ..graph_dump import is_collective
 from ..parallel.compat import is_fake_process_group
 from ..parallel.links import make_twin_sets, twin_sets
+from ..passes.bucketing_compat import group_size
 from ..passes.block_compile import GroupCall, PieceRunner, Slots, boxed
 from ..passes.compat import enable_symmetric_memory
 from ..passes.registry import ESTIMATES, Compiled
@@ -55,16 +56,6 @@ OF_THE_START = ("compile_cache", "compile_workers", "worker_compiled_pieces", "d
 the timings (names ending in `_s`)."""
 
 
-def _resolves(name: str) -> bool:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    try:
-        _resolve_process_group(name)
-        return True
-    except (RuntimeError, ValueError, KeyError):
-        return False
-
-
 def _group_names(gm: fx.GraphModule) -> tuple[list[str], list[str]]:
     """The process groups the step's collectives name, and those its symmetric-memory ops name."""
     named: set[str] = set()
@@ -74,7 +65,7 @@ def _group_names(gm: fx.GraphModule) -> tuple[list[str], list[str]]:
         if node.op != "call_function" or not (symm or is_collective(node)):
             continue
         for arg in (*node.args, *node.kwargs.values()):
-            if isinstance(arg, str) and _resolves(arg):
+            if isinstance(arg, str) and group_size(arg) is not None:
                 named.add(arg)
                 if symm:
                     symmetric.add(arg)
@@ -153,7 +144,7 @@ class StepCache:
         make_twin_sets(entry["twins"], ctx.meshes, group_timeout(ctx.cfg.comm.timeout_seconds))
         for name in entry["symmetric_memory"]:
             enable_symmetric_memory(name)
-        missing = [name for name in entry["named"] if not _resolves(name)]
+        missing = [name for name in entry["named"] if group_size(name) is None]
         if missing:
             self.outcome = f"refused (process group {missing[0]} does not exist)"
             logger.warning(f"step cache: entry {self.steps.path(self.key)} {self.outcome}; tracing the step")
