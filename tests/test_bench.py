@@ -3,6 +3,7 @@ The multi-GPU suite's two sides get the same work per rank; torchtitan's and NCC
 compared against its reference is judged by the stated bound."""
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from logs import main_protocols, nccl_protocols, titan_records  # noqa: E402
 from runner import against_reference, command, launch  # noqa: E402
-from runs import REPO, Run  # noqa: E402
+from runs import REPO, WARMUP_STEPS, Run, steps_of  # noqa: E402
 from suites import SUITES  # noqa: E402
 
 
@@ -140,3 +141,23 @@ def test_timeout_ends_every_process_of_the_run(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail("the run's child process survived the timeout")
+
+
+def test_too_few_steps_refused_before_any_run(tmp_path):
+    """A profiled run measures the steps between the warm-up and its last two (profiler warm-up, recorded step): a
+    `--steps` that leaves one of the selected runs nothing to measure is refused up front, with the run named."""
+    argv = [sys.executable, str(REPO / "bench" / "run.py"), "--suite", "multi", "--gpus", "2", "--groups", "1B dp2",
+            "--out", str(tmp_path), "--print-commands"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    short = subprocess.run([*argv, "--steps", "5"], capture_output=True, text=True, env=env)
+    assert short.returncode == 2 and short.stderr.strip().splitlines() == [
+        "bench/run.py: error: --steps 5 leaves 1B dp2: gt aot_fx_trace full (5 steps, profiled) no step to measure after "
+        "the 3-step warm-up: pass a larger --steps"]
+    assert subprocess.run([*argv, "--steps", "6"], capture_output=True, env=env).returncode == 0
+
+
+@pytest.mark.parametrize("steps", [1, 6])
+def test_scale_runs_measure_a_step_at_any_steps(steps):
+    """The scale suite's floor on its runs' steps leaves every run, profiled or not, a step to measure."""
+    for run in SUITES["scale"](steps, 1):
+        assert steps_of(run) - 2 * run.profile > WARMUP_STEPS, (run.group, run.name)

@@ -64,7 +64,8 @@ def suite_scale(steps: int, gpus: int) -> list[Run]:
     runs = []
     for c in SCALE_CONFIGS:
         group, ranks, model, flavor, local_batch, seq, gt_mesh, ac = c.group, c.ranks, c.model, c.flavor, c.local_batch, c.seq, c.gt_mesh, c.ac
-        n = max(WARMUP_STEPS + 2, round(steps * c.step_scale * 8 / 12))
+        # at least one step measured between the warm-up and a profiled run's last two (profiler warm-up, recorded step)
+        n = max(WARMUP_STEPS + 3, round(steps * c.step_scale * 8 / 12))
         dp = ranks // 2 if "--parallelism.tp" in gt_mesh else ranks
         ac_flags = ["--activation_checkpoint.mode", ac] + (["--activation_checkpoint.selective_ac_option", "2"] if ac == "selective" else [])
         base = ["--model.name", model, "--model.flavor", flavor, "--training.seq_len", str(seq), "--training.batch_size",
