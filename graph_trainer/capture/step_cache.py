@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import fx
 
 from .. import compile_cache, graph_pickle
+from ..checkpoint import any_rank
 from ..config import cache_folder
 from ..graph_dump import is_collective
 from ..parallel.compat import is_fake_process_group
@@ -86,9 +87,7 @@ def _agree(usable: bool, device: torch.device) -> bool:
     """Whether every rank of the job has a usable entry."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or is_fake_process_group():
         return usable
-    flag = torch.tensor([int(usable)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return not any_rank(not usable, device)
 
 
 @dataclasses.dataclass

@@ -439,16 +439,16 @@ class PieceRunner:
         self.constants = constants
         self.result = result
         self.slots = slots
+        self._steps = [(piece, groups[group].call) for piece, group in zip(slots_of, order)]
 
     def __call__(self, *args: Any) -> Any:
         env: list[Any] = [*args, *self.constants]
         env += [None] * (self.slots - len(env))
-        calls = [group.call for group in self.groups]
-        for piece, group in zip(self.slots_of, self.order):
+        for piece, call in self._steps:
             ins = [env[i] for i in piece.inputs]
             for i in piece.frees:
                 env[i] = None
-            for i, value in zip(piece.outputs, calls[group](ins)):
+            for i, value in zip(piece.outputs, call(ins)):
                 env[i] = value
             for i in piece.releases:
                 env[i] = None
