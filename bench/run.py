@@ -37,7 +37,7 @@ from pathlib import Path
 
 from report import write_report
 from runner import against_reference, command, run_suite
-from runs import WARMUP_STEPS, steps_of, tiny
+from runs import WARMUP_STEPS, last_measured_step, steps_of, tiny
 from suites import GPU_COUNTS, SUITES
 
 
@@ -91,8 +91,7 @@ def main() -> int:
         runs = []
     if a.tiny:
         runs = [tiny(r) for r in runs if r.trainer == "gt"]
-    # a profiled run's last two steps (the profiler's warm-up and recorded step) are not measured either
-    short = next((r for r in runs if steps_of(r) - 2 * r.profile <= WARMUP_STEPS), None)
+    short = next((r for r in runs if last_measured_step(r) <= WARMUP_STEPS), None)
     if short is not None:
         fail(f"--steps {a.steps} leaves {short.group}: {short.name} ({steps_of(short)} steps{', profiled' if short.profile else ''}) "
              f"no step to measure after the {WARMUP_STEPS}-step warm-up: pass a larger --steps")

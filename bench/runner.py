@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import shutil
@@ -25,7 +24,7 @@ from graph_trainer.compare import torchrun
 from graph_trainer.metrics import read_metrics
 from kernel_mix import device_events, exposed_comm, kernel_mix
 from logs import ANSI, FIRST_STEP, error_lines, nccl_protocols, titan_records
-from runs import REPO, WARMUP_STEPS, Run, steps_of
+from runs import REPO, WARMUP_STEPS, Run, last_measured_step, steps_of
 
 TITAN_MEMORY = "titan_memory.jsonl"
 """Written by bench/titan_spec.py into torchtitan's dump folder: rank 0's peak active and reserved bytes per step."""
@@ -152,8 +151,7 @@ def records(run: Run, dump: Path, output: str) -> list[dict]:
 
 def summarize(run: Run, found: list[dict], wall_s: float, rc: int, tail: str) -> dict:
     # the profiler's warm-up and recorded steps (see _profiling_args) are left out of the throughput
-    profiled = steps_of(run) - 1 if run.profile else math.inf
-    steady = [r for r in found if WARMUP_STEPS < r["step"] < profiled]
+    steady = [r for r in found if WARMUP_STEPS < r["step"] <= last_measured_step(run)]
     out = {"name": run.name, "group": run.group, "trainer": run.trainer, "nproc": run.nproc, "args": run.args,
            "returncode": rc, "wall_s": round(wall_s, 1), "steps": len(found),
            "losses": [r["loss"] for r in found], "grad_norms": [r.get("grad_norm") for r in found]}

@@ -47,6 +47,12 @@ def steps_of(run: Run) -> int:
     return int(run.args[run.args.index("--training.steps") + 1])
 
 
+def last_measured_step(run: Run) -> int:
+    """The last step whose time counts in the throughput (after the `WARMUP_STEPS`): a profiled run's last two steps,
+    the profiler's warm-up and its recorded step, do not."""
+    return steps_of(run) - 2 * run.profile
+
+
 def gt(name: str, group: str, base: list[str], extra: list[str], nproc: int = 1, bitwise_with: str = "",
        env: dict | None = None, profile: bool = False) -> Run:
     return Run(name, "gt", nproc, base + extra, bitwise_with, group, env or {}, profile)

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from logs import main_protocols, nccl_protocols, titan_records  # noqa: E402
 from runner import against_reference, command, launch  # noqa: E402
-from runs import REPO, WARMUP_STEPS, Run, steps_of  # noqa: E402
+from runs import REPO, WARMUP_STEPS, Run, last_measured_step  # noqa: E402
 from suites import SUITES  # noqa: E402
 
 
@@ -160,4 +160,4 @@ def test_too_few_steps_refused_before_any_run(tmp_path):
 def test_scale_runs_measure_a_step_at_any_steps(steps):
     """The scale suite's floor on its runs' steps leaves every run, profiled or not, a step to measure."""
     for run in SUITES["scale"](steps, 1):
-        assert steps_of(run) - 2 * run.profile > WARMUP_STEPS, (run.group, run.name)
+        assert last_measured_step(run) > WARMUP_STEPS, (run.group, run.name)
