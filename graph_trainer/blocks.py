@@ -119,12 +119,6 @@ def block_starts(gm: fx.GraphModule, phase: Phase | None = None) -> list[BlockSt
     return [BlockStart(which, block, node) for (which, block), node in starts.items()]
 
 
-def is_update(gm: fx.GraphModule) -> bool:
-    """Whether every op of `gm` is of a parameter's update traced into the step (a piece of it)."""
-    ops = [node for node in gm.graph.nodes if node.op == "call_function"]
-    return bool(ops) and all((node.meta.get("custom") or {}).get(UPDATE_KEY) is not None for node in ops)
-
-
 def update_starts(gm: fx.GraphModule) -> list[fx.Node]:
     """The first op of each parameter's update traced into the step, in graph order."""
     starts: dict[int, fx.Node] = {}

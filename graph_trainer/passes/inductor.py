@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .. import compile_cache
 from ..config import cache_folder
 from ..graph_dump import is_collective
-from ..blocks import block_count, is_update
+from ..blocks import block_count
 from ..regions import REGION_KEY
 from . import compile_workers
 from .block_compile import PIECES, PiecePlan, decompose_pieces, flex_attention_masks, plan_pieces, stitch
@@ -118,7 +118,7 @@ def _entries(plan: PiecePlan, ctx: PassContext, cache: compile_cache.CompileCach
     entries = {}
     for members in plan.compiled_groups:
         piece = members[0].module
-        options = _options(ctx, piece)
+        options = _options(ctx)
         entries[id(piece)] = PieceEntry(*compile_cache.cache_key(piece, fake_inputs(piece, ctx), options, ctx.device, ctx.meshes),
                                         options=options)
     return entries
@@ -303,20 +303,20 @@ needs its order kept as well."""
 
 
 ONE_POINTWISE_CONFIG = {"triton.autotune_pointwise": False}
-"""Inductor options for a piece of the in-graph optimizer's update (a parameter and its moments written in place):
-one launch configuration per pointwise kernel, none benchmarked. standalone_compile autotunes every kernel
-at compile time, and before each configuration's run Inductor copies the buffers the kernel writes to host memory
-and back: on one H200 (torch 2.11) the update of the output projection's shard (64128 x 4096) compiled in 3.0 s, 2.1
-of them benchmarking (1.2 in those copies), against 0.55 s for a 2048 x 4096 weight's; in a compile worker 5.4-6.1 s,
-the last piece the first step waited for (bench/results/2026-11-30-session28, calls 1-3). The update reads and
-writes each element once: its kernels are bound by memory bandwidth whichever block size runs them."""
+"""Inductor options for every graph the full compile compiles: one launch configuration per pointwise kernel, none
+benchmarked. standalone_compile autotunes every kernel at compile time, compiling each candidate configuration in the
+process's small Triton pool and running it, and before each run Inductor copies the buffers the kernel writes to
+host memory and back. Pointwise kernels read and write each element once, bound by memory bandwidth whichever block
+size runs them. On one H200 (torch 2.11, llama3 8B as rank 0 of dp_shard 8, three rounds of one call): the compile
+workers' part of the first step 3.3-3.8 s against 4.3-4.5 s with the choice benchmarked, median tokens/s of steps
+4-9 9,287-9,334 against 9,273-9,319 (torchtitan compile 9,286-9,329). First made for the in-graph update alone,
+whose output projection's piece took a compile worker 5.4-6.1 s (bench/results/2026-11-30-session28, calls 1-3;
+2026-12-01-session31, call 5)."""
 
 
-def _options(ctx: PassContext, gm: fx.GraphModule) -> dict | None:
+def _options(ctx: PassContext) -> dict:
     # standalone_compile hands `options` to compile_fx as keywords (torch 2.11 and 2.13).
-    patches = {**(KEEP_TRAIN_STEP_ORDER if ctx.stage == "train_step" else {}),
-               **(ONE_POINTWISE_CONFIG if is_update(gm) else {})}
-    return {"config_patches": patches} if patches else None
+    return {"config_patches": {**(KEEP_TRAIN_STEP_ORDER if ctx.stage == "train_step" else {}), **ONE_POINTWISE_CONFIG}}
 
 
 def warm_compile_pool(device: torch.device) -> None:
@@ -350,7 +350,7 @@ def _compile_whole(gm: fx.GraphModule, ctx: PassContext) -> Compiled:
     assert entry is None or kept is None, "a piece lost an input"
     if kept is not None:
         inputs = [inputs[i] for i in kept]
-    options = entry.options if entry is not None else _options(ctx, gm)
+    options = entry.options if entry is not None else _options(ctx)
     cache = _cache(ctx)
     compiled, outcome, by_worker = None, "off", False
     if cache is not None:
