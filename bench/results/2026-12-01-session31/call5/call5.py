@@ -1,8 +1,8 @@
-"""One H200: the 8B dp8 cold start (scale suite, rank 0 of 8, fake communication, caches empty, bytecode compiled
-once) with the compile workers at niceness 10, with and without one launch configuration for every pointwise kernel of every piece (no choice among
-configurations benchmarked while the pieces compile; as the in-graph update's pieces have), beside torchtitan compile, three rounds in rotated orders; tokens/s of every step (the
-last two are the profiler's). The switch
-is GT_EXPERIMENT_ONE_POINTWISE (in the working tree for this call only).
+"""One H200: the 8B dp8 cold start (scale suite, rank 0 of 8, fake communication, caches empty, bytecode compiled once)
+with the compile workers at niceness 10, with and without one launch configuration for every pointwise kernel of every
+piece (no choice among configurations benchmarked while the pieces compile; as the in-graph update's pieces have),
+beside torchtitan compile, three rounds in rotated orders; tokens/s of every step (the last two are the profiler's).
+The switch is GT_EXPERIMENT_ONE_POINTWISE (in the working tree for this call only).
 
     python bench/results/2026-12-01-session31/call5/call5.py $OUT
 """
