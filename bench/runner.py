@@ -18,7 +18,7 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from graph_trainer.compare import torchrun
 from graph_trainer.metrics import read_metrics
@@ -271,21 +271,30 @@ def warm_imports() -> None:
     subprocess.run([sys.executable, "-c", f"{IMPORTS}\n{KERNEL_LIBRARIES}"], cwd=REPO, capture_output=True, check=False)
 
 
+def launch_cold(run: Run, runs_dir: Path, timeout: int, flags: Sequence[str] = (), env: dict | None = None,
+                prefix: Sequence[str] = ()) -> tuple[Path, int, str, float | None]:
+    """Launch `run` (its command with `flags` added, under `prefix`, e.g. a sampling profiler, with `env` over its own)
+    as a cold start, and leave its output in `<dump>/log.txt`: its dump folder, exit code, output and seconds from
+    launch to step 1. Every run compiles cold: Inductor's and Triton's caches of an earlier run would shorten its time
+    to step 1, and so would the folder of the same run in an earlier call on a machine kept warm (its compile cache)."""
+    dump = dump_folder(runs_dir, run.group, run.name)
+    shutil.rmtree(dump, ignore_errors=True)
+    cold = {"TORCHINDUCTOR_CACHE_DIR": str(dump / "inductor_cache"), "TRITON_CACHE_DIR": str(dump / "triton_cache")}
+    rc, output, first_step = launch([*prefix, *command(run, runs_dir), *flags], {**os.environ, **cold, **run.env, **(env or {})},
+                                    timeout)
+    dump.mkdir(parents=True, exist_ok=True)
+    (dump / "log.txt").write_text(output)
+    return dump, rc, output, first_step
+
+
 def run_suite(runs: list[Run], runs_dir: Path, timeout: int, earlier: list[dict], on_result: Callable[[list[dict]], None]) -> list[dict]:
     """Run each in turn; `on_result` gets all results after every run, so a call cut short keeps what ran."""
     results: list[dict] = list(earlier)
     warm_imports()
     for run in runs:
-        dump = dump_folder(runs_dir, run.group, run.name)
         print(f"== {run.group}: {run.name}", flush=True)
-        # every run compiles cold: Inductor's and Triton's caches of an earlier run would shorten its time to step 1,
-        # and so would the folder of the same run in an earlier call on a machine kept warm (its compile cache)
-        shutil.rmtree(dump, ignore_errors=True)
         start = time.perf_counter()
-        cold = {"TORCHINDUCTOR_CACHE_DIR": str(dump / "inductor_cache"), "TRITON_CACHE_DIR": str(dump / "triton_cache")}
-        rc, output, first_step = launch(command(run, runs_dir), {**os.environ, **cold, **run.env}, timeout)
-        dump.mkdir(parents=True, exist_ok=True)
-        (dump / "log.txt").write_text(output)
+        dump, rc, output, first_step = launch_cold(run, runs_dir, timeout)
         result = summarize(run, records(run, dump, output), time.perf_counter() - start, rc, error_lines(output))
         result.update(profile(dump), **solver_prediction(dump), **cost_model_prediction(dump), env=run.env)
         result["launch_to_first_step_s"] = first_step
