@@ -116,9 +116,9 @@ def _entries(plan: PiecePlan, ctx: PassContext, cache: compile_cache.CompileCach
     if cache is None:
         return {}
     entries = {}
+    options = _options(ctx)
     for members in plan.compiled_groups:
         piece = members[0].module
-        options = _options(ctx)
         entries[id(piece)] = PieceEntry(*compile_cache.cache_key(piece, fake_inputs(piece, ctx), options, ctx.device, ctx.meshes),
                                         options=options)
     return entries
