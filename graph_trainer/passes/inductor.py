@@ -302,21 +302,25 @@ block's shard (4 GiB at dp_shard 32). A backend that schedules the collectives (
 needs its order kept as well."""
 
 
-ONE_POINTWISE_CONFIG = {"triton.autotune_pointwise": False}
-"""Inductor options for every graph the full compile compiles: one launch configuration per pointwise kernel, none
-benchmarked. standalone_compile autotunes every kernel at compile time, compiling each candidate configuration in the
-process's small Triton pool and running it, and before each run Inductor copies the buffers the kernel writes to
-host memory and back. Pointwise kernels read and write each element once, bound by memory bandwidth whichever block
-size runs them. On one H200 (torch 2.11, llama3 8B as rank 0 of dp_shard 8, three rounds of one call): the compile
-workers' part of the first step 3.3-3.8 s against 4.3-4.5 s with the choice benchmarked, median tokens/s of steps
-4-9 9,287-9,334 against 9,273-9,319 (torchtitan compile 9,286-9,329). First made for the in-graph update alone,
-whose output projection's piece took a compile worker 5.4-6.1 s (bench/results/2026-11-30-session28, calls 1-3;
-2026-12-01-session31, call 5)."""
+ONE_CONFIG_PER_KERNEL = {"triton.autotune_pointwise": False, "test_configs.force_filter_reduction_configs": True}
+"""Inductor options for every graph the full compile compiles: one launch configuration per pointwise and per
+reduction kernel, none benchmarked. standalone_compile autotunes every kernel at compile time, compiling each
+candidate configuration in the process's small Triton pool and running it, and before each run Inductor copies the
+buffers the kernel writes to host memory and back. Pointwise kernels read and write each element once, bound by
+memory bandwidth whichever block size runs them; a reduction keeps the configuration Inductor's deterministic mode
+keeps (its `force_filter_reduction_configs`, the filter alone, without the rest of that mode). On one H200 (torch
+2.11, llama3 8B as rank 0 of dp_shard 8), pointwise alone: the compile workers' part of the first step 3.3-3.8 s
+against 4.3-4.5 s with the choice benchmarked, median tokens/s of steps 4-9 9,287-9,334 against 9,273-9,319
+(torchtitan compile 9,286-9,329; bench/results/2026-12-01-session31, call 5); reductions too, in two calls of four
+rounds against pointwise alone: the workers' part 0.3 s shorter on average in each call (3.0-5.6 s against 3.8-5.2),
+launch to step 1 1.1 and 0.2 s shorter on average, median tokens/s 9,418-9,498 against 9,411-9,557 (torchtitan
+compile 9,393-9,456; 2026-12-01-session32, calls 1-2). First made for the in-graph update alone, whose output projection's piece
+took a compile worker 5.4-6.1 s (2026-11-30-session28, calls 1-3)."""
 
 
 def _options(ctx: PassContext) -> dict:
     # standalone_compile hands `options` to compile_fx as keywords (torch 2.11 and 2.13).
-    return {"config_patches": {**(KEEP_TRAIN_STEP_ORDER if ctx.stage == "train_step" else {}), **ONE_POINTWISE_CONFIG}}
+    return {"config_patches": {**(KEEP_TRAIN_STEP_ORDER if ctx.stage == "train_step" else {}), **ONE_CONFIG_PER_KERNEL}}
 
 
 def warm_compile_pool(device: torch.device) -> None:
