@@ -12,7 +12,7 @@ torchtitan's `clip_grad_norm_` and takes 0.03 s here; losses and grad norms are 
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -54,6 +54,32 @@ def total_norm(grads: Sequence[torch.Tensor], ep_enabled: bool) -> torch.Tensor:
         return _norm(grads)
     is_ep = [is_expert_grad(g) for g in grads]
     return join_norms(_norm([g for g, e in zip(grads, is_ep) if e]), _norm([g for g, e in zip(grads, is_ep) if not e]))
+
+
+def shards_total_norm(specs: Sequence[Any], grads: Sequence[torch.Tensor], ep_enabled: bool) -> torch.Tensor:
+    """`total_norm` of the gradients whose local shards are `grads`, placed as `specs` say (`train_step.ParamSpec`),
+    for a step being traced. Where every gradient lies on one mesh with one placement and one dtype, sharded along at
+    most one mesh dimension of more than one rank (FSDP, HSDP, one rank), the ops DTensor's dispatch issues are
+    issued on the shards themselves: each shard's norm (`_foreach_norm`, chunked as `_norm`), their stack, and where
+    a dimension shards them, the square, the sum across its ranks, the square root; then the norm of that vector.
+    The same ops in the same order, so the same bits (tests/test_clipping.py compares the traced graphs); what is
+    left out is DTensor's work on the host, a `from_local` and a sharding propagation per gradient: llama3 8B's step
+    with the in-graph optimizer, as one rank of dp_shard 8 on one H200, traced in 3.2-4.1 s instead of 3.8-4.4 s
+    (bench/results/2026-12-01-session32, call 4). Anything else (several meshes or placements, sharded along two
+    dimensions, expert parallelism) goes through DTensor."""
+    placed = {(id(s.mesh), tuple(s.placements)) for s in specs}
+    if ep_enabled or len(placed) != 1 or len({(g.device, g.dtype) for g in grads}) != 1:
+        return total_norm([s.wrap(g) for s, g in zip(specs, grads)], ep_enabled)
+    mesh, placements = specs[0].mesh, specs[0].placements
+    # DTensor leaves a mesh dimension of one rank as it is: no reduction across it
+    sharded = [d for d, p in enumerate(placements) if mesh.size(d) > 1 and not p.is_replicate()]
+    if len(sharded) > 1 or any(not placements[d].is_shard() for d in sharded):
+        return total_norm([s.wrap(g) for s, g in zip(specs, grads)], ep_enabled)
+    norms = torch.stack([n for i in range(0, len(grads), NORM_CHUNK) for n in torch._foreach_norm(list(grads[i : i + NORM_CHUNK]), 2.0)])
+    if sharded:
+        summed = torch.ops._c10d_functional.all_reduce(norms**2.0, "sum", mesh.get_group(sharded[0]).group_name)
+        norms = torch.ops._c10d_functional.wait_tensor(summed) ** 0.5
+    return torch.linalg.vector_norm(norms, 2.0)
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

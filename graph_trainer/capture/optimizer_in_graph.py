@@ -26,7 +26,7 @@ import torch
 from torch.fx.traceback import annotate
 
 from ..blocks import UPDATE_KEY
-from ..clipping import clip_coefficient, total_norm
+from ..clipping import clip_coefficient, shards_total_norm
 from ..train_step import FunctionalTrainStep
 from .fx_trace import TracedStep
 from .registry import CaptureContext, register_capture
@@ -118,7 +118,7 @@ class ClipAndAdamWStep:
         """(the gradients in their parameters' dtypes, the total norm, the clip coefficient, the step's scalars)"""
         grads = [g.to(p.dtype) for g, p in zip(grads, params)]
         # As the eager step clips (clipping.py).
-        grad_norm = total_norm([s.wrap(g) for s, g in zip(self.specs, grads)], self.ep_enabled)
+        grad_norm = shards_total_norm(self.specs, grads, self.ep_enabled)
         coef = clip_coefficient(grad_norm, self.hyper.max_norm)
         return grads, grad_norm, coef, step_scalars(lr, step, {p.dtype for p in params}, self.hyper)
 

@@ -185,8 +185,9 @@ def flex_attention_masks(gm: fx.GraphModule) -> set[fx.Node]:
 def unread_ops(gm: fx.GraphModule) -> set[fx.Node]:
     """Ops whose results nothing reads, directly or through other such ops, and that change nothing (no mutation,
     no random numbers, no collective). Traces leave some: DTensor's norm of the in-graph optimizer's gradients
-    (`clipping.total_norm`) leaves a `_foreach_norm` of 291 empty tensors of the parameters' global shapes for
-    llama3 8B, `create_block_mask` a few ops between FlexAttention's masks. Inductor drops them from what it
+    (`clipping.total_norm`, where the traced norm goes through DTensor: tensor or expert parallelism) leaves a
+    `_foreach_norm` of empty tensors of the parameters' global shapes (291 for llama3 8B), `create_block_mask` a
+    few ops between FlexAttention's masks. Inductor drops them from what it
     compiles, and a piece of them alone compiled to nothing that could be stored: every start of the 8B with the
     in-graph optimizer decomposed and compiled it again (bench/results/2026-11-29-session18)."""
     unread: set[fx.Node] = set()
