@@ -26,7 +26,8 @@ class Backend(Protocol):
         """Start what the compile will need and the graph does not decide (processes), before the step is traced."""
 
     def compile(self, gm: fx.GraphModule, ctx: PassContext) -> Callable[..., Any]:
-        """Transform and compile the train-step graph; the result is called with the graph's inputs."""
+        """Transform and compile the train-step graph, through `apply_passes` (which prices it for prediction.json);
+        the result is called with the graph's inputs."""
 
 
 _BACKENDS: dict[str, Callable[[], Backend]] = {}

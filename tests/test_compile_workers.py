@@ -16,7 +16,8 @@ from test_compile_cache import entries, full_inductor
 
 from graph_trainer.compile_cache import CompileCache
 from graph_trainer.config import parse_args
-from graph_trainer.passes import compile_workers, inductor
+from graph_trainer.passes import compile_workers, inductor, registry
+from graph_trainer.passes.registry import apply_passes
 
 
 @torch.library.custom_op("gt_test::unknown_to_workers", mutates_args=())
@@ -130,7 +131,8 @@ class _Failing:
     def __init__(self, why: str):
         self.why = why
 
-    def compile(self, jobs, cache, on_stored=None):
+    def compile(self, jobs, cache, on_stored=None, meanwhile=lambda: None):
+        meanwhile()
         return {job.key: self.why for job in jobs} if self.why else {}
 
     def close(self):
@@ -192,6 +194,35 @@ def test_the_rank_loads_each_piece_a_worker_stored_while_the_workers_compile_the
     assert sorted(f"{key}.bin" for key, _, _ in loads) == sorted(stored)
     assert all(during and thread == threading.get_ident() for _, during, thread in loads)
     assert all(torch.equal(a, b) for a, b in zip(alone(*real), runner(*real)))
+
+
+def test_the_step_is_priced_while_the_workers_compile_before_any_piece_is_loaded(tmp_path, monkeypatch):
+    """prediction.json's estimate of the step is made once every piece has gone out to the workers, before the rank
+    takes any answer (so before it loads any stored piece): off the path to the first step. It prices the graph the
+    pass was given, once."""
+    gm, ctx, _ = deep_step(8)
+    ctx.cfg = parse_args(["--compile.cache_dir", str(tmp_path)])
+    nodes = [(n.op, n.target, n.args) for n in gm.graph.nodes]
+    workers = compile_workers.CompileWorkers(1)
+    monkeypatch.setattr(compile_workers, "take", lambda: workers)
+    events, compile_in_workers, load = [], workers.compile, CompileCache.load
+
+    def compile(jobs, *args, **kwargs):
+        events.append(("compile", len(jobs)))
+        return compile_in_workers(jobs, *args, **kwargs)
+
+    def estimate(graph, pctx):
+        events.append(("estimate", graph is gm and [(n.op, n.target, n.args) for n in graph.graph.nodes] == nodes,
+                       workers.first_job is not None))
+        return "estimate"
+
+    monkeypatch.setattr(workers, "compile", compile)
+    monkeypatch.setattr(registry, "estimate_graph", estimate)
+    monkeypatch.setattr(CompileCache, "load", lambda cache, key: events.append(("load",)) or load(cache, key))
+    apply_passes(gm, ["inductor_decomposition", "full_inductor_compilation"], ctx, "train_step")
+    stored = len(entries(tmp_path))
+    assert stored > 1 and events == [("compile", stored), ("estimate", True, True)] + [("load",)] * stored
+    assert registry.ESTIMATES.pop("train_step") == "estimate"
 
 
 def test_jobs_go_out_heaviest_first_by_what_they_take_to_compile(tmp_path, caplog):

@@ -206,9 +206,10 @@ class TracedStep:
             param_fqns=[s.fqn for s in self.fn.specs],
             later_passes=tuple(graph_passes(backend.pass_names(cfg.compile.passes))),
         )
-        # The parameter and activation policies decide what the traced step saves before any backend pass sees it.
+        # The parameter and activation policies decide what the traced step saves before any backend pass sees it;
+        # the backend's passes price the step where they end.
         t2 = time.perf_counter()
-        gm = apply_passes(gm, parameter_passes(cfg) + activation_passes(cfg), pctx, "train_step")
+        gm = apply_passes(gm, parameter_passes(cfg) + activation_passes(cfg), pctx, "train_step", price=False)
         self.compiled = backend.compile(gm, pctx)
         t3 = time.perf_counter()
         if not first:

@@ -17,7 +17,8 @@ groups its collectives name (the worker registers groups of the same ranks under
 process group: Inductor resolves them while it compiles). The worker (compile_worker_process.py) decomposes
 the piece, compiles it with the pass's own functions (`inductor.decompose`, `inductor.compile_graph`) and
 stores it under that key. Jobs go out heaviest first (`SLOW_TO_COMPILE`) as each is pickled, each to the next
-worker free; the rank loads each stored piece while the workers compile the others (`on_stored`), and each worker
+worker free; the rank prices the step (`meanwhile`) and loads each stored piece while the workers compile the
+others (`on_stored`), and each worker
 stops once no job is left for it. A piece a worker fails on is compiled by the pass itself, as it is without
 workers, after one warning line.
 
@@ -140,11 +141,11 @@ class CompileWorkers:
         """Lent to several compiles in a row (`lent`): a worker stays once a batch is done, for the next one."""
 
     def compile(self, jobs: list[Job], cache: compile_cache.CompileCache,
-                on_stored: Callable[[str], None] | None = None) -> dict[str, str]:
-        """Compile `jobs` into `cache`: for each key, "" where its entry was stored, else why not. `on_stored(key)` is
-        called here, in the caller's thread, as each entry is stored, while the workers compile the others: the
-        caller waits on them anyway. Each worker is stopped as soon as no job is left for it, unless the workers are
-        `kept` for a later batch."""
+                on_stored: Callable[[str], None] | None = None, meanwhile: Callable[[], None] = lambda: None) -> dict[str, str]:
+        """Compile `jobs` into `cache`: for each key, "" where its entry was stored, else why not. The caller waits on
+        the workers anyway: `meanwhile()` is called here, in its thread, once every job is out, and `on_stored(key)`
+        as each entry is stored, while the workers compile the others. Each worker is stopped as soon as no job is
+        left for it, unless the workers are `kept` for a later batch."""
         try:
             groups = _groups([job.piece for job in jobs])
         except Exception as e:  # noqa: BLE001  (workers that cannot name the groups leave every piece to the pass)
@@ -172,17 +173,21 @@ class CompileWorkers:
             if self.first_job is None:
                 self.first_job = time.perf_counter() - self.processes.started
         todo.put(None)
-        feeding = len(threads)
-        while feeding:
-            answer = answers.get()
-            if answer is None:
-                feeding -= 1
-                continue
-            key, outcomes[key] = answer
-            if not outcomes[key] and on_stored is not None:
-                on_stored(key)
-        for t in threads:
-            t.join()
+        try:
+            meanwhile()
+        finally:
+            # the workers' answers are taken whatever `meanwhile` raised: it leaves no worker behind
+            feeding = len(threads)
+            while feeding:
+                answer = answers.get()
+                if answer is None:
+                    feeding -= 1
+                    continue
+                key, outcomes[key] = answer
+                if not outcomes[key] and on_stored is not None:
+                    on_stored(key)
+            for t in threads:
+                t.join()
         return outcomes
 
     def _feed(self, proc: subprocess.Popen, log: Path, todo: queue.Queue, answers: queue.Queue) -> None:

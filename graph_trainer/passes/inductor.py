@@ -130,7 +130,7 @@ def _compile_in_workers(workers: compile_workers.CompileWorkers, missing: list[t
     jobs = [compile_workers.Job(entry.key, entry.parts, piece, entry.options) for piece, entry in missing]
     by_key = {entry.key: entry for _, entry in missing}
     start = time.perf_counter()
-    outcomes = workers.compile(jobs, cache, on_stored=lambda key: _preload(cache, by_key[key]))
+    outcomes = workers.compile(jobs, cache, on_stored=lambda key: _preload(cache, by_key[key]), meanwhile=ctx.meanwhile)
     # a piece without an outcome was never taken: every worker had died
     for _, entry in missing:
         entry.by_worker = outcomes.get(entry.key) == ""
@@ -446,6 +446,7 @@ register_pass(PassSpec(
     modes=GRAPH_MODES,
     fn=inductor_decomposition,
     lowers=True,
+    waits=True,
 ))
 
 register_pass(PassSpec(

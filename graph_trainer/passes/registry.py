@@ -8,6 +8,7 @@ imports them all.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -50,6 +51,9 @@ class PassContext:
     """The backend's passes this graph goes through after the activation passes, up to its lowering
     (`graph_passes`): a pass that budgets memory applies them to a copy to see the step as the
     compiler gets it (the collective schedule's buckets and prefetches)."""
+    meanwhile: Callable[[], None] = lambda: None
+    """Work a pass that `waits` does while it waits (`apply_passes` puts the step estimate of the graph the pass was
+    given here); it runs once, after the pass where the pass did not run it."""
 
 
 PassFn = Callable[[fx.GraphModule, PassContext], Any]
@@ -76,6 +80,11 @@ class PassSpec:
     lowers: bool = False
     """The pass rewrites the graph into the compiler's op set (the same step in other ops): the step
     estimate prices the graph before it, as it does before a compiling pass."""
+    waits: bool = False
+    """The pass may wait on other processes (the compile workers) and calls `ctx.meanwhile()` while it does; it leaves
+    the graph it was given as it was. The step estimate of that graph is made then, off the path to the first step
+    (one H200, llama3 8B as rank 0 of dp_shard 8 with the in-graph optimizer: 0.21-0.41 s while the workers compiled;
+    made on the path, before the pass and once more before that, 0.74-0.82 s each; bench/results/2026-12-01-session33)."""
     wraps_compiled: bool = False
     """The pass wraps whatever callable it gets, so it may follow a compiling pass."""
     excluded_backends: tuple[str, ...] = ()
@@ -176,27 +185,35 @@ def graph_passes(names: list[str]) -> list[str]:
     return list(itertools.takewhile(lambda name: not (PASSES[name].compiles or PASSES[name].lowers), names))
 
 
-def apply_passes(gm: fx.GraphModule, names: list[str], ctx: PassContext, stage: Stage) -> Any:
+def apply_passes(gm: fx.GraphModule, names: list[str], ctx: PassContext, stage: Stage, price: bool = True) -> Any:
     """Run the named passes in order on one graph of `stage`, dumping after each.
 
     After a compiling pass the dump holds the FX graph the compiled callable was built from, marked
     `compiled: true` in summary.json, so every stage of every backend appears in the dumps. The graph
-    that reaches the first lowering or compiling pass (or the end) is priced into `ESTIMATES`.
+    that reaches the first lowering or compiling pass (or the end) is priced into `ESTIMATES`, unless
+    `price` is False: the graph goes on to more passes of its stage, which price it where it ends.
     """
     ctx = dataclasses.replace(ctx, stage=stage)
     result: Any = gm
-    priced = False
+    unpriced = price
     for name in names:
         spec = PASSES[name]
         if stage not in spec.stages:
             continue
-        if (spec.compiles or spec.lowers) and not priced:
-            _record_estimate(result, ctx)
-            priced = True
+        pass_ctx = ctx
+        estimate: Callable[[], None] = lambda: None
+        if (spec.compiles or spec.lowers) and unpriced:
+            unpriced = False
+            estimate = functools.cache(functools.partial(_record_estimate, result, ctx))
+            if spec.waits:
+                pass_ctx = dataclasses.replace(ctx, meanwhile=estimate)
+            else:
+                estimate()
         label = f"{stage}_{name}" if stage != "train_step" else name
         start = time.perf_counter()
-        result = spec.fn(result, ctx)
+        result = spec.fn(result, pass_ctx)
         seconds = time.perf_counter() - start
+        estimate()
         ctx.report.setdefault(name, {})[f"pass_{label}_s"] = seconds
         # In the log as each pass ends: a run stopped before its first step still shows where its time went.
         logger.info(f"pass {label}: {seconds:.1f} s")
@@ -208,15 +225,18 @@ def apply_passes(gm: fx.GraphModule, names: list[str], ctx: PassContext, stage: 
             ctx.dumper.dump(label, result, report=report)
         elif isinstance(getattr(result, "graph_module", None), fx.GraphModule):
             ctx.dumper.dump(label, result.graph_module, compiled=True, report=report)
-    if not priced:
+    if unpriced:
         _record_estimate(result, ctx)
     return result
 
 
 def _record_estimate(gm: Any, ctx: PassContext) -> None:
-    """A job's graph (not a bare one a test builds) as the compiler gets it: prediction.json prices it."""
+    """A job's graph (not a bare one a test builds) as the compiler gets it: prediction.json prices it. Its seconds are
+    reported (`step_estimate_<stage>_s`), the first step's record showing whether they were spent on its path."""
     if ctx.cfg is not None and isinstance(gm, fx.GraphModule):
+        start = time.perf_counter()
         ESTIMATES[ctx.stage] = estimate_graph(gm, ctx)
+        ctx.report.setdefault("step_estimate", {})[f"step_estimate_{ctx.stage}_s"] = time.perf_counter() - start
 
 
 _TEARDOWNS: list[Callable[[], None]] = []
