@@ -287,6 +287,41 @@ def launch_cold(run: Run, runs_dir: Path, timeout: int, flags: Sequence[str] = (
     return dump, rc, output, first_step
 
 
+START_KEYS = ("before_init_s", "init_s", "trace_s", "compile_s", "compile_workers_ready_s", "compile_workers_first_piece_s",
+              "compile_workers_s", "first_call_s", "step_estimate_train_step_s")
+"""Our step-1 record's start-up figures that a cold-start comparison keeps (docs/metrics-and-profiling.md)."""
+
+
+def cold_rounds(configs: dict[str, tuple[Run, dict]], rounds: int, runs_dir: Path, out: Path, timeout: int) -> list[dict]:
+    """Cold starts (`launch_cold`) of each config, a run and the environment over its own, in `rounds` rounds, each
+    starting one config later than the one before, so that no config always runs first or after the same one. Each
+    run's row (launch to step 1, tokens/s of every step, `START_KEYS`) is printed and `<out>/rows.json` rewritten as
+    it ends, so a call cut short keeps what ran; the logs end in `<out>/logs.tgz`."""
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ["PYTHONPYCACHEPREFIX"] = str(runs_dir / "pycache")
+    warm_imports()
+    names, rows = list(configs), []
+    for rnd in range(rounds):
+        for name in names[rnd % len(names):] + names[: rnd % len(names)]:
+            run, env = configs[name]
+            dump, rc, output, first = launch_cold(run, runs_dir, timeout, env=env)
+            recs = records(run, dump, output)
+            rec = recs[0] if recs else {}
+            row = {"round": rnd + 1, "config": name, "rc": rc, "launch_to_step1_s": first,
+                   "tokens_per_second": [round(r.get("tokens_per_second") or 0) for r in recs],
+                   **{k: rec[k] for k in START_KEYS if k in rec}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            (out / f"r{rnd + 1}-{re.sub(r'[^A-Za-z0-9]+', '', name)}.log").write_text(output)
+            (out / "rows.json").write_text(json.dumps(rows, indent=1))
+    with contextlib.suppress(subprocess.CalledProcessError):
+        logs = sorted(p.name for p in out.glob("r*.log"))
+        subprocess.run(["tar", "czf", "logs.tgz", *logs], cwd=out, check=True)
+        for name in logs:
+            (out / name).unlink()
+    return rows
+
+
 def run_suite(runs: list[Run], runs_dir: Path, timeout: int, earlier: list[dict], on_result: Callable[[list[dict]], None]) -> list[dict]:
     """Run each in turn; `on_result` gets all results after every run, so a call cut short keeps what ran."""
     results: list[dict] = list(earlier)
