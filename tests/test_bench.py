@@ -2,6 +2,7 @@
 The multi-GPU suite's two sides get the same work per rank; torchtitan's and NCCL's log lines parse; a curve
 compared against its reference is judged by the stated bound."""
 
+import json
 import os
 import subprocess
 import sys
@@ -161,3 +162,35 @@ def test_scale_runs_measure_a_step_at_any_steps(steps):
     """The scale suite's floor on its runs' steps leaves every run, profiled or not, a step to measure."""
     for run in SUITES["scale"](steps, 1):
         assert last_measured_step(run) > WARMUP_STEPS, (run.group, run.name)
+
+
+def test_cold_rounds_rotate_the_order_and_keep_every_row_as_it_ends(tmp_path, monkeypatch):
+    """Each round starts one config later, so no config always runs first; a run's row is on disk as soon as it ends
+    (a call cut short keeps it), with the step-1 start-up figures only, and the logs end packed in logs.tgz."""
+    import tarfile
+
+    import runner
+
+    seen = []
+
+    def launch_cold(run, runs_dir, timeout, env=None):
+        seen.append((run, env))
+        if len(seen) > 1:
+            assert len(json.loads((tmp_path / "rows.json").read_text())) == len(seen) - 1
+        return tmp_path, 0, f"log of {run}", 10.0 + len(seen)
+
+    monkeypatch.setattr(runner, "warm_imports", lambda: None)
+    monkeypatch.setattr(runner, "launch_cold", launch_cold)
+    monkeypatch.setattr(runner, "records", lambda run, dump, output: [{"tokens_per_second": 9.6, "trace_s": 1.5, "loss": 2.0},
+                                                                     {"tokens_per_second": 20.2}])
+    configs = {"a, first": ("A", {}), "b": ("B", {"X": "1"}), "c": ("C", {})}
+    rows = runner.cold_rounds(configs, 3, tmp_path / "runs", tmp_path, 60)
+    assert [r["config"] for r in rows] == ["a, first", "b", "c", "b", "c", "a, first", "c", "a, first", "b"]
+    assert seen[1] == ("B", {"X": "1"}) and [r["round"] for r in rows] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert rows[0] == {"round": 1, "config": "a, first", "rc": 0, "launch_to_step1_s": 11.0, "tokens_per_second": [10, 20],
+                       "trace_s": 1.5}
+    assert json.loads((tmp_path / "rows.json").read_text()) == rows
+    with tarfile.open(tmp_path / "logs.tgz") as logs:
+        assert sorted(logs.getnames()) == sorted(f"r{r}-{n}.log" for r in (1, 2, 3) for n in ("afirst", "b", "c"))
+        assert logs.extractfile("r2-b.log").read() == b"log of B"
+    assert not list(tmp_path.glob("*.log"))
