@@ -18,9 +18,8 @@ process group: Inductor resolves them while it compiles). The worker (compile_wo
 the piece, compiles it with the pass's own functions (`inductor.decompose`, `inductor.compile_graph`) and
 stores it under that key. Jobs go out heaviest first (`SLOW_TO_COMPILE`) as each is pickled, each to the next
 worker free; the rank prices the step (`meanwhile`) and loads each stored piece while the workers compile the
-others (`on_stored`), and each worker
-stops once no job is left for it. A piece a worker fails on is compiled by the pass itself, as it is without
-workers, after one warning line.
+others (`on_stored`), and each worker stops once no job is left for it. A piece a worker fails on is compiled by
+the pass itself, as it is without workers, after one warning line.
 
 `--compile.compile_workers N`: N processes per rank. -1 (auto) is `worker_processes.worker_count`: on a GPU rank
 alone on its node (one GPU; `graph-trainer precompile`, which fills the cache of a cluster job from one process) one
