@@ -1,0 +1,21 @@
+"""One H200: the 8B dp8 cold start (scale suite, rank 0 of 8, fake communication, selective AC every 2nd block, caches
+empty, bytecode compiled once), with the in-graph optimizer: each recomputed block's backward cut before its first
+gradient op after its last recomputed matmul (an earlier form of ../recomputation_cut.patch, applied to 3b86cda; the
+README says how they differ) against one piece (`GT_EXPERIMENT_WHOLE_RECOMPUTE`, the patch's switch); the cut without
+the in-graph optimizer; torchtitan compile; three rounds in rotated orders.
+
+    python bench/results/2026-12-02-session34/call1/call1.py $OUT
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from runner import cold_rounds  # noqa: E402
+from suites import SUITES  # noqa: E402
+
+runs = {r.name: r for r in SUITES["scale"](16, 1) if r.group == "8B dp8"}
+configs = {"in graph, recomputation cut": (runs["gt full + optimizer_in_graph"], {}),
+           "titan compile": (runs["titan compile"], {}),
+           "in graph, recomputation whole": (runs["gt full + optimizer_in_graph"], {"GT_EXPERIMENT_WHOLE_RECOMPUTE": "1"}),
+           "ours, recomputation cut": (runs["gt aot_fx_trace full"], {})}
+cold_rounds(configs, 3, Path("/tmp/runs34a"), Path(sys.argv[1]), 150)
