@@ -23,7 +23,7 @@ from graph_trainer.config import JobConfig
 from graph_trainer.passes.registry import PASSES, PassSpec, register_pass
 from graph_trainer.trainer import GraphTrainer
 
-SMALL = ["--training.batch_size", "4", "--training.seq_len", "64", "--compile.dump_graphs"]
+SMALL = ["--training.batch_size", "4", "--training.seq_len", "64", "--model.n_layers", "2", "--compile.dump_graphs"]
 
 
 def _train_modes(tmp: Path, modes: tuple[str, ...], args: list[str], nproc: int) -> dict[str, list[dict]]:

@@ -6,7 +6,7 @@ import pytest
 
 from helpers import cached_train, losses
 
-BASE = ("--training.steps", "10", "--training.seq_len", "128")
+BASE = ("--training.steps", "10", "--training.seq_len", "128", "--model.n_layers", "2")
 EAGER = ("--compile.mode", "eager")
 """After the mesh flags: test_fx_trace.py's eager references are these same runs (helpers.cached_run)."""
 MESHES = {

@@ -131,8 +131,8 @@ def test_training_with_it_equals_eager_bit_for_bit_and_simple_fsdp_within_roundi
     # HSDP: the rows' gradient all-reduced over the replicas too; pp: the first stage looks up each microbatch
     from helpers import cached_train, grad_norms, losses
 
-    base = (*mesh, "--training.batch_size", str(2 * ranks), "--training.steps", "4", "--training.deterministic",
-            "--metrics.log_freq", "1")
+    base = (*mesh, "--training.batch_size", str(2 * ranks), "--training.seq_len", "64", "--model.n_layers", "2",
+            "--training.steps", "4", "--training.deterministic", "--metrics.log_freq", "1")
     vocab = ("--parallelism.embedding", "vocab")
     traced = cached_train(base + vocab, nproc=ranks)
     eager = cached_train(base + vocab + ("--compile.mode", "eager"), nproc=ranks)
