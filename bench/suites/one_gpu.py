@@ -64,6 +64,8 @@ def suite_h100(steps: int, gpus: int) -> list[Run]:
         gt("gt full + optimizer_in_graph + fused loss", "levers", one_b, FULL + in_graph_optimizer + fused_loss, profile=True),
         gt("gt full + optimizer_in_graph + fused loss + memory_budget", "levers", one_b,
             FULL + in_graph_optimizer + fused_loss + ["--activation_checkpoint.mode", "memory_budget"]),
+        # configs/llama3_1b.toml as shipped, as the README's one-GPU example runs it
+        gt("gt production config", "levers", one_b, ["--config", "configs/llama3_1b.toml"]),
         # Meta's AutoParallel placing the model (needs its da99589 wheel carried: docs/placement.md, "Meta's AutoParallel")
         gt("gt aot_fx_trace full", "meta", one_b, FULL),
         gt("gt aot_fx_trace meta-placed", "meta", one_b, FX + META_PLACED),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from runs import MEMORY_BUDGET, WARMUP_STEPS, Run, titan
+from runs import MEMORY_BUDGET, REPO, WARMUP_STEPS, Run, titan
 
 
 @dataclass
@@ -68,10 +68,11 @@ def suite_scale(steps: int, gpus: int) -> list[Run]:
         n = max(WARMUP_STEPS + 3, round(steps * c.step_scale * 8 / 12))
         dp = ranks // 2 if "--parallelism.tp" in gt_mesh else ranks
         ac_flags = ["--activation_checkpoint.mode", ac] + (["--activation_checkpoint.selective_ac_option", "2"] if ac == "selective" else [])
-        base = ["--model.name", model, "--model.flavor", flavor, "--training.seq_len", str(seq), "--training.batch_size",
-                str(dp * local_batch), "--training.steps", str(n), "--training.random_tokens", "--training.no-deterministic",
-                "--metrics.log_freq", "1", "--comm.mode", "fake", "--comm.fake_world_size", str(ranks), *gt_mesh, *ac_flags,
-                *(["--model.n_layers", str(c.layers)] if c.layers else [])]
+        job = ["--model.name", model, "--model.flavor", flavor, "--training.seq_len", str(seq), "--training.batch_size",
+               str(dp * local_batch), "--training.steps", str(n), "--training.random_tokens", "--training.no-deterministic",
+               "--metrics.log_freq", "1", "--comm.mode", "fake", "--comm.fake_world_size", str(ranks), *gt_mesh,
+               *(["--model.n_layers", str(c.layers)] if c.layers else [])]
+        base = job + ac_flags
         titan_model = "gt_deepseek_v3" if model == "deepseek_v3" else "gt_llama3"
         titan_flags = ["--comm.mode", "fake_backend", *c.titan_mesh, *ac_flags]
         fake_env = {"NGPU": str(ranks), "LOCAL_RANK": "0", "RANK": "0"}
@@ -115,6 +116,12 @@ def suite_scale(steps: int, gpus: int) -> list[Run]:
             # Inductor's fused step peaks at 122.9 GiB; expandable segments, to rule out fragmentation, still asked 139.8
             runs.append(Run("gt eager expandable segments", "gt", 1, base + ["--compile.mode", "eager"], group=group,
                             env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, torchrun=False))
+        # the model's production config as shipped (its activation checkpointing, the in-graph optimizer) on this job's
+        # model, mesh and tokens: what a user of it runs
+        production = REPO / "configs" / f"{model}_{flavor.lower()}.toml"
+        if production.exists() and not c.layers:
+            runs.append(Run("gt production config", "gt", 1, job + ["--config", str(production.relative_to(REPO))], group=group,
+                            torchrun=False))
         # the memory policy in place of the config's AC (its flags come later and win)
         for budget in c.memory_budgets:
             runs.append(Run(f"gt full + memory_budget {budget}", "gt", 1, base + full + MEMORY_BUDGET + [budget],

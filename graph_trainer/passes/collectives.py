@@ -158,6 +158,8 @@ def find_collectives(gm: fx.GraphModule) -> list[Collective]:
                 # Read by the in-graph optimizer (the norm over every gradient, then the update): the wait
                 # may move down to its first reader; the views between move with it.
                 chain, need, update = read
+                if _holds_collective(chain):
+                    continue
                 found.append(Collective(*common, need, chain, (pos[node], pos[wait]), update_index=update))
                 continue
             chain, returned = _descendants_to_output(wait)
