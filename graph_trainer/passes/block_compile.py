@@ -34,7 +34,6 @@ wait), since the collective reads it until then.
 
 from __future__ import annotations
 
-import copy
 import operator
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -47,7 +46,7 @@ from ..flops import FLEX_ATTENTION_OPS
 from ..graph_dump import is_collective
 from .bucketing_compat import WAIT, is_gradient_reduction
 from .collectives import read_by_update
-from .compat import LazyGraphModule
+from .compat import LazyGraphModule, copy_node_as
 from .registry import Compiled, PassContext
 
 
@@ -549,17 +548,6 @@ def decompose_pieces(plan: PiecePlan, decompose: Callable[[fx.GraphModule], fx.G
     return PiecePlan([new[id(piece)] for piece in plan.pieces], groups, plan.constants, plan.result, plan.slots)
 
 
-def _copy_named(graph: fx.Graph, node: fx.Node, transform: Callable[[fx.Node], fx.Node], name: str) -> fx.Node:
-    """`graph.node_copy(node, transform)` under a name of its own. A copy takes its node's name, and every
-    piece of a group holds the same names: on torch 2.11 (fixed in 2.13) each taken name is resolved by
-    counting up from its suffix through every name already made, so stitching llama3 70B's 505 pieces
-    spent 34 s of 39 s naming nodes (one H200). The piece's index makes the name unique."""
-    copied = graph.create_node(node.op, node.target, fx.node.map_arg(node.args, transform),
-                               fx.node.map_arg(node.kwargs, transform), name, node.type)
-    copied.meta = copy.copy(node.meta)
-    return copied
-
-
 def stitch(gm: fx.GraphModule, plan: PiecePlan, decomposed: PiecePlan) -> fx.GraphModule:
     """`gm` (cut as `plan`) with each piece's ops replaced by those of its `decomposed` module, reading
     its own inputs. Decomposition works op by op, so where every piece was decomposed this is the graph
@@ -592,7 +580,7 @@ def stitch(gm: fx.GraphModule, plan: PiecePlan, decomposed: PiecePlan) -> fx.Gra
                 values[node].meta = dict(node.meta)
                 _own_meta(values[node], sources)
                 continue
-            values[node] = _copy_named(graph, node, values.__getitem__, f"{node.name}_{k}")
+            values[node] = copy_node_as(graph, node, values.__getitem__, f"{node.name}_{k}")
             _own_meta(values[node], sources)
     graph.output(fx.node.map_aggregate(plan.result, lambda s: env[s.index] if isinstance(s, _Slot) else s))
     return fx.GraphModule(gm, graph)

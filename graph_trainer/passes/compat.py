@@ -13,9 +13,12 @@ Python code when first called) and `_use_lazy_graph_module(on)` (make_fx then re
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
+from typing import Callable
 
 import torch
+from torch import fx
 
 try:
     from torch._guards import TracingContext, detect_fake_mode, tracing
@@ -32,6 +35,18 @@ except ImportError as e:  # pragma: no cover  (only on a torch outside the suppo
         f"graph-trainer's Inductor passes need torch 2.11-2.13 private APIs; torch {torch.__version__} lacks one ({e}); "
         "use --compile.inductor_compilation none"
     ) from e
+
+
+def copy_node_as(graph: fx.Graph, node: fx.Node, transform: Callable[[fx.Node], fx.Node], name: str) -> fx.Node:
+    """`graph.node_copy(node, transform)` under `name`, a name not yet taken. A copy takes its node's name, taken
+    already where it is copied into the node's own graph (or a piece's names into the graph stitched from pieces);
+    torch 2.11 (fixed in 2.13) then resolves it by counting up from its suffix through every name made before:
+    stitching llama3 70B's 505 pieces spent 34 s of 39 s naming nodes, and `reshard_after_forward` 4.3 of its 6.8 s
+    (its 2,720 copies, cProfile; one H200, bench/results/2026-12-02-session35)."""
+    copied = graph.create_node(node.op, node.target, fx.node.map_arg(node.args, transform),
+                               fx.node.map_arg(node.kwargs, transform), name, node.type)
+    copied.meta = copy.copy(node.meta)
+    return copied
 
 
 def use_cuda_memory_pool(device: int, pool: tuple[int, int], stream: torch.cuda.Stream):

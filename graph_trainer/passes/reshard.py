@@ -29,6 +29,7 @@ from ..parallel.simple_fsdp import resharded_params
 from .bucket_merge import emit
 from .bucketing_compat import ALL_GATHER, WAIT
 from .collectives import Collective, find_collectives, forward_derived, forward_end
+from .compat import copy_node_as
 from .registry import GRAPH_MODES, PassContext, PassSpec, register_pass
 
 FLAG = "--parallelism.reshard_after_forward"
@@ -83,12 +84,12 @@ def _regather_for_backward(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
             # other block checkpointed; FSDP2 casts again in backward as well
             shard = {c.placeholder: c.placeholder}
             for node in sorted(c.chain, key=pos.__getitem__):
-                shard[node] = graph.node_copy(node, lambda n: shard.get(n, n))
+                shard[node] = copy_node_as(graph, node, lambda n: shard.get(n, n), f"regather_{node.name}")
             source, *rest = c.start.args
             start = emit(graph, ALL_GATHER, shard.get(source, source), *rest)
             copies = {c.wait: emit(graph, WAIT, start)}
             for node in sorted(needed, key=pos.__getitem__):
-                copies[node] = graph.node_copy(node, lambda n: copies[n])
+                copies[node] = copy_node_as(graph, node, lambda n: copies[n], f"regather_{node.name}")
         for value, users in late_uses.items():
             for user in users:
                 user.replace_input_with(value, copies[value])
