@@ -71,8 +71,8 @@ def test_ten_steps_equal_eager_adamw_on_dp_shard_2(reference):
 @pytest.mark.slow
 def test_three_steps_equal_eager_adamw_on_dp_shard_2_x_tp_2(tmp_path):
     """A norm weight's gradient is all-reduced over tp, then reduce-scattered over dp_shard, before its update reads
-    it: the overlap schedule moves the reduce-scatter alone (moving the all-reduce too left the reduce-scatter's
-    bucket reading a view made after it: the graph did not lint, and `configs/llama3_8b.toml` with tp failed at step 1)."""
+    it: the overlap schedule moves the reduce-scatter alone (moving the all-reduce too issued a bucket before a view it
+    reads: the graph did not lint, and `configs/llama3_8b.toml` with tp failed at step 1)."""
     mesh = ("--training.steps", "3", "--parallelism.dp_shard", "2", "--parallelism.tp", "2")
     eager = run_train([*SMALL, *mesh, *EAGER], tmp_path / "eager", nproc=4)
     in_graph = run_train([*SMALL, *mesh, *IN_GRAPH], tmp_path / "in_graph", nproc=4)
