@@ -69,6 +69,13 @@ def titan(name: str, group: str, flavor: str, batch: int, seq: int, steps: int, 
     return Run(name, "titan", nproc, args, group=group, profile=profile)
 
 
+def production_config(model: str, flavor: str) -> list[str]:
+    """The flags that load the model's production config as shipped (`configs/<model>_<flavor>.toml`, relative to the
+    repository the runs start in); none where the model has no such config."""
+    path = REPO / "configs" / f"{model}_{flavor.lower()}.toml"
+    return ["--config", str(path.relative_to(REPO))] if path.exists() else []
+
+
 TRACE = ["--compile.mode", "aot_fx_trace"]
 FX = [*TRACE, "--compile.inductor_compilation", "none"]
 """The traced step run by FX op by op: bitwise comparable with eager (the GPU default backend is full Inductor)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from runs import FULL, FX, REPO, TRACE, Run, gt, titan
+from runs import FULL, FX, TRACE, Run, gt, production_config, titan
 
 FUSED_LOSS = ["--training.loss", "fused_linear_ce"]
 IN_GRAPH_OPTIMIZER = ["--compile.optimizer_in_graph"]
@@ -135,9 +135,9 @@ def multi_runs(c: MultiConfig, steps: int) -> list[Run]:
 
     # the production config of the model as shipped (its activation checkpointing: the memory policy filling the
     # device for llama3; the in-graph optimizer), on this config's model, mesh and tokens
-    production = REPO / "configs" / f"{c.model}_{c.flavor.lower()}.toml"
-    shipped = [gt("gt production config", c.group, job, ["--config", str(production.relative_to(REPO))], nproc=c.ranks,
-                  env=dict(NCCL_TUNING_LOG), profile=True)] if production.exists() and c.pp == 1 else []
+    production = production_config(c.model, c.flavor)
+    shipped = [gt("gt production config", c.group, job, production, nproc=c.ranks, env=dict(NCCL_TUNING_LOG), profile=True)
+               ] if production and c.pp == 1 else []
     # the fused loss needs the whole vocabulary on the rank (not under tp)
     shipped += [replace(shipped[0], name="gt production config fused loss", args=shipped[0].args + FUSED_LOSS)
                 ] if shipped and c.tp == 1 else []

@@ -3,7 +3,7 @@ whole-step levers; Meta's placer) and `flex` (FlexAttention flavors)."""
 
 from __future__ import annotations
 
-from runs import FULL, FX, MEMORY_BUDGET, META_PLACED, TRACE, Run, gt, titan
+from runs import FULL, FX, MEMORY_BUDGET, META_PLACED, TRACE, Run, gt, production_config, titan
 
 
 def suite_h100(steps: int, gpus: int) -> list[Run]:
@@ -65,7 +65,7 @@ def suite_h100(steps: int, gpus: int) -> list[Run]:
         gt("gt full + optimizer_in_graph + fused loss + memory_budget", "levers", one_b,
             FULL + in_graph_optimizer + fused_loss + ["--activation_checkpoint.mode", "memory_budget"]),
         # configs/llama3_1b.toml as shipped, as the README's one-GPU example runs it
-        gt("gt production config", "levers", one_b, ["--config", "configs/llama3_1b.toml"]),
+        gt("gt production config", "levers", one_b, production_config("llama3", "1B")),
         # Meta's AutoParallel placing the model (needs its da99589 wheel carried: docs/placement.md, "Meta's AutoParallel")
         gt("gt aot_fx_trace full", "meta", one_b, FULL),
         gt("gt aot_fx_trace meta-placed", "meta", one_b, FX + META_PLACED),

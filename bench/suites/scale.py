@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from runs import MEMORY_BUDGET, REPO, WARMUP_STEPS, Run, titan
+from runs import MEMORY_BUDGET, WARMUP_STEPS, Run, production_config, titan
 
 
 @dataclass
@@ -118,10 +118,9 @@ def suite_scale(steps: int, gpus: int) -> list[Run]:
                             env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, torchrun=False))
         # the model's production config as shipped (its activation checkpointing, the in-graph optimizer) on this job's
         # model, mesh and tokens: what a user of it runs
-        production = REPO / "configs" / f"{model}_{flavor.lower()}.toml"
-        if production.exists() and not c.layers:
-            runs.append(Run("gt production config", "gt", 1, job + ["--config", str(production.relative_to(REPO))], group=group,
-                            torchrun=False))
+        production = production_config(model, flavor)
+        if production and not c.layers:
+            runs.append(Run("gt production config", "gt", 1, job + production, group=group, torchrun=False))
         # the memory policy in place of the config's AC (its flags come later and win)
         for budget in c.memory_budgets:
             runs.append(Run(f"gt full + memory_budget {budget}", "gt", 1, base + full + MEMORY_BUDGET + [budget],
